@@ -1,0 +1,774 @@
+/*
+ * fp_dcp._cio: the native half of fp-dcp.
+ *
+ * - Ring: a thin wrapper over one liburing ring. Requests are queued with
+ *   write()/read()/fsync(), submitted and reaped with wait(). The ring holds a
+ *   buffer export and the caller's tag for every request until its completion
+ *   is reaped, so memory under an in-flight request can never be freed. It
+ *   never retries, splits or interprets results: completions carry the raw
+ *   result (bytes or -errno) and the policy lives in Python.
+ * - crc32c / copy_crc32c: CRC-32C (Castagnoli) with the SSE4.2 instruction
+ *   (three interleaved streams) and a table fallback, GIL released.
+ * - dio_alignment / fallocate / address: small system helpers.
+ *
+ * Every libc/liburing return code is checked; errors become OSError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+
+#ifdef FP_DCP_HAVE_LIBURING
+#include <liburing.h>
+#endif
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+/* Python's own buffers are released around copies and checksums this large. */
+#define GIL_RELEASE_BYTES (64 * 1024)
+/* Kernel read/write calls transfer at most this much in one request. */
+#define MAX_REQUEST_BYTES (1u << 30)
+
+/* ------------------------------------------------------------------ CRC32C */
+
+#define CRC32C_POLY 0x82F63B78u /* reflected Castagnoli polynomial */
+
+static uint32_t crc_sw_table[8][256];
+
+static void crc_sw_init(void)
+{
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t c = b;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? (c >> 1) ^ CRC32C_POLY : c >> 1;
+        crc_sw_table[0][b] = c;
+    }
+    for (uint32_t b = 0; b < 256; b++)
+        for (int t = 1; t < 8; t++)
+            crc_sw_table[t][b] = (crc_sw_table[t - 1][b] >> 8) ^
+                                 crc_sw_table[0][crc_sw_table[t - 1][b] & 0xff];
+}
+
+/* Raw CRC register update (no pre/post inversion), slicing-by-8. */
+static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        crc = crc_sw_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+        n--;
+    }
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        v ^= crc;
+        crc = crc_sw_table[7][v & 0xff] ^ crc_sw_table[6][(v >> 8) & 0xff] ^
+              crc_sw_table[5][(v >> 16) & 0xff] ^ crc_sw_table[4][(v >> 24) & 0xff] ^
+              crc_sw_table[3][(v >> 32) & 0xff] ^ crc_sw_table[2][(v >> 40) & 0xff] ^
+              crc_sw_table[1][(v >> 48) & 0xff] ^ crc_sw_table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        crc = crc_sw_table[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return crc;
+}
+
+static uint32_t (*crc_raw)(uint32_t, const uint8_t *, size_t) = crc_sw;
+static int crc_hardware = 0;
+
+#if defined(__x86_64__)
+/*
+ * One crc32 instruction has a latency of three cycles but a throughput of
+ * one, so three independent streams over adjacent lanes run three times as
+ * fast. The lanes are joined with the linearity of the raw register:
+ * crc(r, A||B) = shift(crc(r, A)) ^ crc(0, B), where shift advances a
+ * register over LANE zero bytes; shift is linear, hence four table lookups.
+ */
+#define LANE 8192
+
+static uint32_t crc_shift_table[4][256];
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw_1way(uint32_t crc, const uint8_t *p,
+                                                               size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        crc = _mm_crc32_u8(crc, *p++);
+        n--;
+    }
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+        p += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--)
+        crc = _mm_crc32_u8(crc, *p++);
+    return crc;
+}
+
+static uint32_t crc_shift(uint32_t x)
+{
+    return crc_shift_table[0][x & 0xff] ^ crc_shift_table[1][(x >> 8) & 0xff] ^
+           crc_shift_table[2][(x >> 16) & 0xff] ^ crc_shift_table[3][x >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        crc = _mm_crc32_u8(crc, *p++);
+        n--;
+    }
+    while (n >= 3 * LANE) {
+        uint64_t c0 = crc, c1 = 0, c2 = 0;
+        for (size_t i = 0; i < LANE; i += 8) {
+            uint64_t v0, v1, v2;
+            memcpy(&v0, p + i, 8);
+            memcpy(&v1, p + LANE + i, 8);
+            memcpy(&v2, p + 2 * LANE + i, 8);
+            c0 = _mm_crc32_u64(c0, v0);
+            c1 = _mm_crc32_u64(c1, v1);
+            c2 = _mm_crc32_u64(c2, v2);
+        }
+        crc = crc_shift(crc_shift((uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * LANE;
+        n -= 3 * LANE;
+    }
+    return crc_hw_1way(crc, p, n);
+}
+
+static void crc_hw_init(void)
+{
+    static const uint8_t zeros[LANE];
+    uint32_t basis[32];
+    for (int i = 0; i < 32; i++)
+        basis[i] = crc_hw_1way(1u << i, zeros, LANE);
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t v = 0;
+            for (int j = 0; j < 8; j++)
+                if (b & (1u << j))
+                    v ^= basis[8 * k + j];
+            crc_shift_table[k][b] = v;
+        }
+    crc_raw = crc_hw;
+    crc_hardware = 1;
+}
+#endif
+
+static void crc_init(void)
+{
+    crc_sw_init();
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("sse4.2"))
+        crc_hw_init();
+#endif
+}
+
+static int parse_crc(PyObject *obj, uint32_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (v > 0xffffffffULL) {
+        PyErr_SetString(PyExc_ValueError, "crc must fit in 32 bits");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+PyDoc_STRVAR(crc32c_doc, "crc32c(data, crc=0, /) -> int\n\n"
+                         "CRC-32C of a bytes-like object; pass the previous result as crc to "
+                         "continue a running checksum.");
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args)
+{
+    Py_buffer data;
+    PyObject *crc_obj = NULL;
+    uint32_t crc = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*|O:crc32c", &data, &crc_obj))
+        return NULL;
+    if (crc_obj && parse_crc(crc_obj, &crc) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    const uint8_t *p = data.buf;
+    size_t n = (size_t)data.len;
+    if (n >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS crc = ~crc_raw(~crc, p, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = ~crc_raw(~crc, p, n);
+    }
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* Copy in cache-sized steps and checksum each step while it is still cached. */
+#define COPY_STEP (256 * 1024)
+
+static uint32_t copy_and_crc(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc)
+{
+    crc = ~crc;
+    for (size_t off = 0; off < n; off += COPY_STEP) {
+        size_t m = n - off < COPY_STEP ? n - off : COPY_STEP;
+        memcpy(dst + off, src + off, m);
+        crc = crc_raw(crc, dst + off, m);
+    }
+    return ~crc;
+}
+
+PyDoc_STRVAR(copy_crc32c_doc,
+             "copy_crc32c(dst, src, crc=0, /) -> int\n\n"
+             "Copy src into dst (same length) and return the CRC-32C of the copied bytes, "
+             "continuing from crc. One pass over memory instead of two.");
+
+static PyObject *py_copy_crc32c(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    PyObject *crc_obj = NULL;
+    uint32_t crc = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*|O:copy_crc32c", &dst, &src, &crc_obj))
+        return NULL;
+    PyObject *result = NULL;
+    if (crc_obj && parse_crc(crc_obj, &crc) < 0)
+        goto done;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src has %zd", dst.len,
+                     src.len);
+        goto done;
+    }
+    if (src.len >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS crc = copy_and_crc(dst.buf, src.buf, (size_t)src.len, crc);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = copy_and_crc(dst.buf, src.buf, (size_t)src.len, crc);
+    }
+    result = PyLong_FromUnsignedLong(crc);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+/* ----------------------------------------------------------- system helpers */
+
+PyDoc_STRVAR(dio_alignment_doc,
+             "dio_alignment(fd, /) -> (mem_align, offset_align)\n\n"
+             "Direct-I/O alignment the kernel reports for an open file (statx "
+             "STATX_DIOALIGN); (0, 0) when the file does not support direct I/O, None when "
+             "the kernel or C library cannot tell.");
+
+static PyObject *py_dio_alignment(PyObject *self, PyObject *args)
+{
+    int fd;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i:dio_alignment", &fd))
+        return NULL;
+#ifdef STATX_DIOALIGN
+    struct statx stx;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        if (errno == ENOSYS || errno == EINVAL)
+            Py_RETURN_NONE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (!(stx.stx_mask & STATX_DIOALIGN))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(II)", stx.stx_dio_mem_align, stx.stx_dio_offset_align);
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
+PyDoc_STRVAR(fallocate_doc,
+             "fallocate(fd, offset, length, /) -> None\n\n"
+             "Reserve blocks and extend the file (Linux fallocate, mode 0). Raises OSError, "
+             "EOPNOTSUPP where the filesystem cannot; unlike posix_fallocate it never "
+             "emulates by writing.");
+
+static PyObject *py_fallocate(PyObject *self, PyObject *args)
+{
+    int fd;
+    long long offset, length;
+    int rc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iLL:fallocate", &fd, &offset, &length))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = fallocate(fd, 0, (off_t)offset, (off_t)length);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(address_doc, "address(buffer, /) -> int\n\nStart address of a bytes-like object.");
+
+static PyObject *py_address(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *r = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return r;
+}
+
+/* -------------------------------------------------------------------- Ring */
+
+#ifdef FP_DCP_HAVE_LIBURING
+
+typedef struct {
+    Py_buffer view; /* view.obj is NULL for requests without memory (fsync) */
+    PyObject *tag;
+} Slot;
+
+typedef struct {
+    PyObject_HEAD struct io_uring ring;
+    int open;
+    unsigned depth;
+    unsigned in_flight;
+    Slot *slots;
+    unsigned *free_slots; /* stack of unused slot indices */
+    unsigned n_free;
+    Py_buffer *fixed; /* registered buffers, exported while registered */
+    unsigned n_fixed;
+} RingObject;
+
+static PyObject *ring_oserror(int neg_errno, const char *what)
+{
+    errno = -neg_errno;
+    return PyErr_SetFromErrnoWithFilename(PyExc_OSError, what);
+}
+
+static void slot_release(RingObject *r, unsigned idx)
+{
+    Slot *s = &r->slots[idx];
+    if (s->view.obj)
+        PyBuffer_Release(&s->view);
+    s->view.obj = NULL;
+    Py_CLEAR(s->tag);
+    r->free_slots[r->n_free++] = idx;
+    r->in_flight--;
+}
+
+/* Move all available completions into list (or drop them when list is NULL). */
+static int ring_reap(RingObject *r, PyObject *list, unsigned *reaped)
+{
+    struct io_uring_cqe *cqe;
+    unsigned head, n = 0;
+    int failed = 0;
+    io_uring_for_each_cqe(&r->ring, head, cqe)
+    {
+        unsigned idx = (unsigned)io_uring_cqe_get_data64(cqe);
+        if (list && !failed) {
+            PyObject *item = Py_BuildValue("(Oi)", r->slots[idx].tag, cqe->res);
+            if (!item || PyList_Append(list, item) < 0)
+                failed = 1;
+            Py_XDECREF(item);
+        }
+        slot_release(r, idx);
+        n++;
+    }
+    io_uring_cq_advance(&r->ring, n);
+    *reaped += n;
+    return failed ? -1 : 0;
+}
+
+/* Submit queued requests and wait until `want` more have completed. */
+static int ring_wait(RingObject *r, PyObject *list, unsigned want)
+{
+    unsigned got = 0;
+    if (want > r->in_flight)
+        want = r->in_flight;
+    for (;;) {
+        if (ring_reap(r, list, &got) < 0)
+            return -1;
+        if (got >= want && io_uring_sq_ready(&r->ring) == 0)
+            return 0;
+        int rc;
+        unsigned wait_nr = got >= want ? 0 : want - got;
+        Py_BEGIN_ALLOW_THREADS rc = io_uring_submit_and_wait(&r->ring, wait_nr);
+        Py_END_ALLOW_THREADS
+        if (rc == -EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+            continue;
+        }
+        if (rc < 0) {
+            ring_oserror(rc, "io_uring_submit_and_wait");
+            return -1;
+        }
+    }
+}
+
+/* Wait out every request, dropping results: memory must outlive the kernel's use. */
+static void ring_drain(RingObject *r)
+{
+    while (r->in_flight) {
+        unsigned got = 0;
+        int rc;
+        ring_reap(r, NULL, &got);
+        if (!r->in_flight)
+            break;
+        Py_BEGIN_ALLOW_THREADS rc = io_uring_submit_and_wait(&r->ring, 1);
+        Py_END_ALLOW_THREADS
+        if (rc < 0 && rc != -EINTR)
+            break; /* the ring is unusable; exiting it below reclaims the requests */
+    }
+}
+
+static void ring_unregister(RingObject *r)
+{
+    if (!r->n_fixed)
+        return;
+    io_uring_unregister_buffers(&r->ring); /* only fails if none are registered */
+    for (unsigned i = 0; i < r->n_fixed; i++)
+        PyBuffer_Release(&r->fixed[i]);
+    PyMem_Free(r->fixed);
+    r->fixed = NULL;
+    r->n_fixed = 0;
+}
+
+static void ring_close(RingObject *r)
+{
+    if (!r->open)
+        return;
+    ring_drain(r);
+    ring_unregister(r);
+    io_uring_queue_exit(&r->ring);
+    r->open = 0;
+    /* Anything still held could not be waited for; the ring's exit has cancelled it. */
+    for (unsigned i = 0; i < r->depth; i++) {
+        if (r->slots[i].view.obj)
+            PyBuffer_Release(&r->slots[i].view);
+        Py_CLEAR(r->slots[i].tag);
+    }
+    r->in_flight = 0;
+}
+
+static int ring_init(RingObject *r, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"depth", NULL};
+    unsigned depth;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "I:Ring", kwlist, &depth))
+        return -1;
+    if (r->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring is already initialised");
+        return -1;
+    }
+    if (depth < 1 || depth > 4096) {
+        PyErr_Format(PyExc_ValueError, "Ring depth must be 1..4096, got %u", depth);
+        return -1;
+    }
+    PyMem_Free(r->slots);
+    PyMem_Free(r->free_slots);
+    r->slots = PyMem_Calloc(depth, sizeof(Slot));
+    r->free_slots = PyMem_Calloc(depth, sizeof(unsigned));
+    if (!r->slots || !r->free_slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = io_uring_queue_init(depth, &r->ring, 0);
+    if (rc < 0) {
+        ring_oserror(rc, "io_uring_queue_init");
+        return -1;
+    }
+    r->open = 1;
+    r->depth = depth;
+    r->in_flight = 0;
+    r->n_free = depth;
+    for (unsigned i = 0; i < depth; i++)
+        r->free_slots[i] = depth - 1 - i;
+    return 0;
+}
+
+static void ring_dealloc(RingObject *r)
+{
+    ring_close(r);
+    PyMem_Free(r->slots);
+    PyMem_Free(r->free_slots);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static int ring_check_open(RingObject *r)
+{
+    if (!r->open) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on a closed Ring");
+        return -1;
+    }
+    return 0;
+}
+
+/* Claim a slot and an SQE; the caller fills the SQE. */
+static struct io_uring_sqe *ring_claim(RingObject *r, unsigned *idx)
+{
+    if (ring_check_open(r) < 0)
+        return NULL;
+    if (!r->n_free) {
+        PyErr_Format(PyExc_BlockingIOError, "Ring: all %u requests are in flight; wait() first",
+                     r->depth);
+        return NULL;
+    }
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+    if (!sqe) { /* cannot happen: queued requests never exceed depth */
+        PyErr_SetString(PyExc_RuntimeError, "Ring: submission queue full");
+        return NULL;
+    }
+    *idx = r->free_slots[--r->n_free];
+    r->in_flight++;
+    io_uring_sqe_set_data64(sqe, *idx);
+    return sqe;
+}
+
+static int find_fixed(RingObject *r, const char *p, size_t n)
+{
+    for (unsigned i = 0; i < r->n_fixed; i++) {
+        const char *base = r->fixed[i].buf;
+        if (p >= base && p + n <= base + r->fixed[i].len)
+            return (int)i;
+    }
+    return -1;
+}
+
+static PyObject *ring_rw(RingObject *r, PyObject *args, int is_write)
+{
+    int fd;
+    Py_buffer view;
+    long long offset;
+    PyObject *tag;
+    if (!PyArg_ParseTuple(args, is_write ? "iy*LO:write" : "iw*LO:read", &fd, &view, &offset,
+                          &tag))
+        return NULL;
+    if ((size_t)view.len > MAX_REQUEST_BYTES || offset < 0) {
+        PyErr_Format(PyExc_ValueError, "Ring: request of %zd bytes at offset %lld is out of range",
+                     view.len, offset);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    unsigned idx;
+    struct io_uring_sqe *sqe = ring_claim(r, &idx);
+    if (!sqe) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int fixed = find_fixed(r, view.buf, (size_t)view.len);
+    unsigned len = (unsigned)view.len;
+    if (is_write && fixed >= 0)
+        io_uring_prep_write_fixed(sqe, fd, view.buf, len, (__u64)offset, fixed);
+    else if (is_write)
+        io_uring_prep_write(sqe, fd, view.buf, len, (__u64)offset);
+    else if (fixed >= 0)
+        io_uring_prep_read_fixed(sqe, fd, view.buf, len, (__u64)offset, fixed);
+    else
+        io_uring_prep_read(sqe, fd, view.buf, len, (__u64)offset);
+    r->slots[idx].view = view; /* the slot now owns the export */
+    Py_INCREF(tag);
+    r->slots[idx].tag = tag;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_write(RingObject *r, PyObject *args) { return ring_rw(r, args, 1); }
+static PyObject *ring_read(RingObject *r, PyObject *args) { return ring_rw(r, args, 0); }
+
+static PyObject *ring_fsync(RingObject *r, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "tag", "datasync", NULL};
+    int fd, datasync = 0;
+    PyObject *tag;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO|p:fsync", kwlist, &fd, &tag, &datasync))
+        return NULL;
+    unsigned idx;
+    struct io_uring_sqe *sqe = ring_claim(r, &idx);
+    if (!sqe)
+        return NULL;
+    io_uring_prep_fsync(sqe, fd, datasync ? IORING_FSYNC_DATASYNC : 0);
+    Py_INCREF(tag);
+    r->slots[idx].tag = tag;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_wait_method(RingObject *r, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"min_complete", NULL};
+    unsigned want = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|I:wait", kwlist, &want))
+        return NULL;
+    if (ring_check_open(r) < 0)
+        return NULL;
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    if (ring_wait(r, list, want) < 0) {
+        Py_DECREF(list);
+        return NULL;
+    }
+    return list;
+}
+
+static PyObject *ring_register_buffers(RingObject *r, PyObject *seq)
+{
+    if (ring_check_open(r) < 0)
+        return NULL;
+    if (r->in_flight) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring: cannot change buffers with requests in flight");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(seq, "register_buffers expects a sequence of buffers");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc(n ? (size_t)n : 1, sizeof(struct iovec));
+    Py_ssize_t got = 0;
+    PyObject *result = NULL;
+    if (!views || !iov) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &views[got],
+                               PyBUF_WRITABLE) < 0)
+            goto done;
+        iov[got].iov_base = views[got].buf;
+        iov[got].iov_len = (size_t)views[got].len;
+    }
+    ring_unregister(r);
+    if (n) {
+        int rc = io_uring_register_buffers(&r->ring, iov, (unsigned)n);
+        if (rc < 0) {
+            ring_oserror(rc, "io_uring_register_buffers");
+            goto done;
+        }
+        r->fixed = views;
+        r->n_fixed = (unsigned)n;
+        views = NULL; /* owned by the ring now */
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (views) {
+        for (Py_ssize_t i = 0; i < got; i++)
+            PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+    }
+    PyMem_Free(iov);
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *ring_close_method(RingObject *r, PyObject *unused)
+{
+    (void)unused;
+    ring_close(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_get_in_flight(RingObject *r, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLong(r->in_flight);
+}
+
+static PyObject *ring_get_depth(RingObject *r, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLong(r->depth);
+}
+
+static PyObject *ring_get_fixed(RingObject *r, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLong(r->n_fixed);
+}
+
+static PyMethodDef ring_methods[] = {
+    {"write", (PyCFunction)ring_write, METH_VARARGS,
+     "write(fd, buffer, offset, tag) -> None: queue a write of buffer at offset."},
+    {"read", (PyCFunction)ring_read, METH_VARARGS,
+     "read(fd, buffer, offset, tag) -> None: queue a read into buffer from offset."},
+    {"fsync", (PyCFunction)(void (*)(void))ring_fsync, METH_VARARGS | METH_KEYWORDS,
+     "fsync(fd, tag, datasync=False) -> None: queue an fsync (fdatasync if datasync)."},
+    {"wait", (PyCFunction)(void (*)(void))ring_wait_method, METH_VARARGS | METH_KEYWORDS,
+     "wait(min_complete=1) -> list[(tag, result)]: submit queued requests, wait until at "
+     "least min_complete have completed (GIL released) and return every completion "
+     "reaped; result is a byte count or -errno."},
+    {"register_buffers", (PyCFunction)ring_register_buffers, METH_O,
+     "register_buffers(buffers) -> None: register writable buffers as fixed buffers; "
+     "requests inside them then skip per-request page pinning."},
+    {"close", (PyCFunction)ring_close_method, METH_NOARGS,
+     "close() -> None: wait for requests in flight, then release the ring."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef ring_getset[] = {
+    {"in_flight", (getter)ring_get_in_flight, NULL, "requests queued or in flight", NULL},
+    {"depth", (getter)ring_get_depth, NULL, "most requests in flight at once", NULL},
+    {"fixed_buffers", (getter)ring_get_fixed, NULL, "number of registered buffers", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._cio.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(depth): one io_uring instance with at most depth requests in flight.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ring_init,
+    .tp_dealloc = (destructor)ring_dealloc,
+    .tp_methods = ring_methods,
+    .tp_getset = ring_getset,
+};
+
+#endif /* FP_DCP_HAVE_LIBURING */
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef module_methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
+    {"copy_crc32c", py_copy_crc32c, METH_VARARGS, copy_crc32c_doc},
+    {"dio_alignment", py_dio_alignment, METH_VARARGS, dio_alignment_doc},
+    {"fallocate", py_fallocate, METH_VARARGS, fallocate_doc},
+    {"address", py_address, METH_O, address_doc},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef cio_module = {
+    PyModuleDef_HEAD_INIT, "fp_dcp._cio",
+    "Native I/O and checksum primitives of fp-dcp (see cio/cio.c).", -1, module_methods,
+    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__cio(void)
+{
+    crc_init();
+    PyObject *m = PyModule_Create(&cio_module);
+    if (!m)
+        return NULL;
+#ifdef FP_DCP_HAVE_LIBURING
+    if (PyType_Ready(&RingType) < 0 || PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0)
+        goto fail;
+    if (PyModule_AddObjectRef(m, "HAVE_IO_URING", Py_True) < 0)
+        goto fail;
+#else
+    if (PyModule_AddObjectRef(m, "HAVE_IO_URING", Py_False) < 0)
+        goto fail;
+#endif
+    if (PyModule_AddObjectRef(m, "CRC32C_HARDWARE", crc_hardware ? Py_True : Py_False) < 0)
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

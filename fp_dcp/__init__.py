@@ -1,0 +1,42 @@
+"""fp-dcp: FastPersist-style storage for torch.distributed.checkpoint.
+
+    import torch.distributed.checkpoint as dcp
+    from fp_dcp import FastPersistWriter, FastPersistReader
+
+    dcp.save(state_dict, storage_writer=FastPersistWriter("/nvme/ckpt/step-100"))
+    dcp.load(state_dict, storage_reader=FastPersistReader("/nvme/ckpt/step-100"))
+"""
+
+from __future__ import annotations
+
+from .config import IOConfig
+from .errors import (
+    CheckpointBusyError,
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    NotACheckpointError,
+    UnsupportedTensorError,
+)
+from .info import engine_info
+from .reader import FastPersistReader, LoadSummary
+from .writer import FastPersistWriter, SaveSummary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FastPersistWriter",
+    "FastPersistReader",
+    "IOConfig",
+    "SaveSummary",
+    "LoadSummary",
+    "engine_info",
+    "CheckpointError",
+    "NotACheckpointError",
+    "IncompatibleCheckpointError",
+    "CorruptCheckpointError",
+    "CheckpointExistsError",
+    "CheckpointBusyError",
+    "UnsupportedTensorError",
+]

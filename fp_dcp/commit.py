@@ -1,0 +1,118 @@
+"""Publishing a checkpoint atomically and durably, and cleaning up after it.
+
+The protocol, in the order its steps reach the disk:
+
+1. every rank writes its data files under names unique to this save, fsyncs
+   them and then the directory (so their names are durable too);
+2. the coordinator writes ``.metadata`` under a temporary name, fsyncs it,
+   renames it over ``.metadata`` and fsyncs the directory: the single step
+   that makes the new checkpoint exist;
+3. only then are the files of the checkpoint it replaced, and leftovers of
+   saves that died, removed.
+
+A crash before step 2 leaves the previous checkpoint (or none) in place; a
+crash after it leaves the new one. One save at a time per directory is
+enforced with an advisory lock on ``.lock``, held by the coordinator from set
+up to publish, so cleanup can never remove a concurrent save's files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pickle
+
+from .errors import CheckpointBusyError
+from .format import METADATA_NAME, decode_metadata, parse_data_file_name
+
+__all__ = ["SaveLock", "fsync_directory", "published_files", "publish", "remove_unreferenced"]
+
+LOCK_NAME = ".lock"
+_TMP_PREFIX = METADATA_NAME + "."
+_TMP_SUFFIX = ".tmp"
+
+
+class SaveLock:
+    """Exclusive advisory lock on ``<directory>/.lock``; released by ``release`` or process exit."""
+
+    def __init__(self, directory: str) -> None:
+        path = os.path.join(directory, LOCK_NAME)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise CheckpointBusyError(f"another save to {directory} is in progress (it holds {path})") from None
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = -1
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def published_files(directory: str) -> set[str]:
+    """Data files of the checkpoint now published in ``directory`` (ours or torch's FileSystemWriter's)."""
+    path = os.path.join(directory, METADATA_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return set()
+    try:
+        _, footer = decode_metadata(data, path)
+        return set(footer["files"])
+    except Exception:
+        pass
+    # A stock DCP checkpoint: its storage_data values carry relative_path.
+    with contextlib.suppress(Exception):
+        metadata = pickle.loads(data)
+        return {info.relative_path for info in metadata.storage_data.values()}
+    return set()
+
+
+def publish(directory: str, metadata_bytes: bytes, token: str) -> None:
+    """Make ``metadata_bytes`` the directory's ``.metadata`` atomically and durably."""
+    tmp = os.path.join(directory, f"{_TMP_PREFIX}{token}{_TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(metadata_bytes)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, os.path.join(directory, METADATA_NAME))
+    fsync_directory(directory)
+
+
+def remove_unreferenced(directory: str, keep: set[str], replaced: set[str]) -> list[str]:
+    """Remove the replaced checkpoint's files and dead saves' leftovers; never a file in ``keep``.
+
+    Only names fp-dcp writes (data files, temporary metadata) and the files
+    the replaced ``.metadata`` listed are candidates; anything else a user
+    keeps in the directory stays.
+    """
+    removed = []
+    for name in os.listdir(directory):
+        if name in keep:
+            continue
+        ours = parse_data_file_name(name) is not None or (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX))
+        if ours or name in replaced:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    if removed:
+        fsync_directory(directory)
+    return removed

@@ -1,0 +1,95 @@
+"""I/O settings shared by the writer and the reader.
+
+Every field has a default that suits NVMe and network-attached block
+storage alike; ``docs/tuning.md`` explains each one's effect. Two of them can
+also be forced from the environment, so a job can change engine without a
+code change (and tests can exercise every path):
+
+- ``FP_DCP_ENGINE``: ``auto`` | ``io_uring`` | ``threads``
+- ``FP_DCP_DIRECT_IO``: ``auto`` | ``1`` | ``0``
+
+An explicit argument wins over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["IOConfig"]
+
+EngineChoice = Literal["auto", "io_uring", "threads"]
+MiB = 1 << 20
+
+
+def _env_engine() -> EngineChoice:
+    value = os.environ.get("FP_DCP_ENGINE", "auto").strip().lower() or "auto"
+    if value not in ("auto", "io_uring", "threads"):
+        raise ValueError(f"FP_DCP_ENGINE must be auto, io_uring or threads, not {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _env_direct_io() -> bool | None:
+    value = os.environ.get("FP_DCP_DIRECT_IO", "auto").strip().lower() or "auto"
+    choices = {"auto": None, "1": True, "true": True, "0": False, "false": False}
+    if value not in choices:
+        raise ValueError(f"FP_DCP_DIRECT_IO must be auto, 1 or 0, not {value!r}")
+    return choices[value]
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """How fp-dcp moves bytes between memory and files.
+
+    Attributes:
+        engine: ``"io_uring"`` (asynchronous requests through the kernel ring),
+            ``"threads"`` (positional reads/writes from a small thread pool), or
+            ``"auto"``: io_uring when the kernel and the build allow it, else
+            threads. A forced engine that cannot run is an error, never a
+            silent fallback. Default from ``FP_DCP_ENGINE``, else ``"auto"``.
+        direct_io: ``True`` opens files with O_DIRECT (bypassing the page
+            cache: no double copy, no cache pollution), ``False`` uses the page
+            cache and fsync, ``None`` (auto) tries O_DIRECT and falls back per
+            file when the filesystem refuses it. Default from
+            ``FP_DCP_DIRECT_IO``, else auto.
+        buffer_size: bytes in one staging buffer. Items that cannot be written
+            straight from tensor memory (small, non-contiguous or unaligned)
+            are packed into these. Larger buffers mean fewer, larger requests.
+        num_buffers: staging buffers per writer or reader; one is filled while
+            the others are on their way to disk. Host memory used for staging
+            is ``buffer_size * num_buffers``, whatever the state dict's size.
+        block_size: largest single request handed to the kernel. 8 MiB keeps a
+            device busy without one request hogging it.
+        queue_depth: most requests in flight at once (io_uring engine).
+        io_threads: worker threads of the ``threads`` engine.
+        direct_min: smallest run of an item that is written or read straight
+            from tensor memory instead of through a staging buffer.
+    """
+
+    engine: EngineChoice = field(default_factory=_env_engine)
+    direct_io: bool | None = field(default_factory=_env_direct_io)
+    buffer_size: int = 32 * MiB
+    num_buffers: int = 4
+    block_size: int = 32 * MiB
+    queue_depth: int = 8
+    io_threads: int = 4
+    direct_min: int = 1 * MiB
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', not {self.engine!r}")
+        page = 4096
+        for name in ("buffer_size", "block_size"):
+            value = getattr(self, name)
+            if value < page or value % page:
+                raise ValueError(f"{name} must be a positive multiple of {page}, got {value}")
+        for name in ("num_buffers", "queue_depth", "io_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_buffers < 2:
+            raise ValueError("num_buffers must be at least 2 (one fills while one writes)")
+        if self.block_size > 1 << 30:
+            raise ValueError("block_size must be at most 1 GiB (the kernel's request limit)")
+        if self.direct_min < page:
+            raise ValueError(f"direct_min must be at least {page}, got {self.direct_min}")

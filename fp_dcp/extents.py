@@ -1,0 +1,164 @@
+"""From item byte ranges to aligned disk transfers, and the window that runs them.
+
+Both pipelines describe a file as ``Piece``s, byte ranges of items in file
+order, and turn them into ``Extent``s, the transfers the engine performs:
+
+- a *direct* extent moves an aligned run of an item straight between its
+  memory and the file; it is used where the item's memory address and file
+  offset agree modulo the alignment and the run is long enough to matter;
+- a *staged* extent moves up to one staging buffer: the buffer holds the
+  bytes of one or more ``Part``s at their file positions, and the rest of it
+  (alignment gaps, padding) is zeros.
+
+Extents start and end on the alignment, so O_DIRECT accepts them. A
+``Window`` keeps several extents in flight and retires them oldest first,
+which keeps each item's bytes, and so its running checksum, in order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+from . import _cio
+from .buffers import BufferPool
+from .engine import Engine, Ticket
+
+__all__ = ["Piece", "Part", "Extent", "plan_extents", "Window"]
+
+
+class Piece(NamedTuple):
+    """Bytes ``[owner_offset, owner_offset + length)`` of an item live at ``file_offset``.
+
+    ``memory`` is exactly those bytes of the item when they may be transferred
+    in place, else None.
+    """
+
+    file_offset: int
+    length: int
+    owner: Any
+    owner_offset: int
+    memory: memoryview | None
+
+
+class Part(NamedTuple):
+    """Bytes of an item at ``buf_offset`` in a staged extent's buffer."""
+
+    owner: Any
+    owner_offset: int
+    buf_offset: int
+    length: int
+
+
+class Extent(NamedTuple):
+    file_offset: int
+    length: int
+    parts: list[Part]  # staged extents: what the buffer holds
+    direct: Part | None  # direct extents: the item run moved in place
+    memory: memoryview | None  # direct extents: that run's memory
+
+
+def _align_down(n: int, a: int) -> int:
+    return n - n % a
+
+
+def plan_extents(
+    pieces: Iterable[Piece], align: int, capacity: int, direct_min: int, max_gap: int | None
+) -> Iterator[Extent]:
+    """Aligned extents covering ``pieces`` (sorted by file offset).
+
+    ``max_gap`` None means the pieces tile the file (writing): extents are
+    contiguous and what lies between pieces is padding. An integer means
+    reading: a hole longer than ``max_gap`` bytes is skipped, and pieces may
+    overlap (the overlapping blocks are then read twice).
+    """
+    start = -1  # file offset of the staged extent being filled; -1: none
+    end = 0  # end of the data placed in it
+    parts: list[Part] = []
+
+    def flush(stop: int) -> Iterator[Extent]:
+        nonlocal start, parts
+        if parts:
+            yield Extent(start, stop - start, parts, None, None)
+        start, parts = -1, []
+
+    def stage(offset: int, length: int, owner: Any, owner_offset: int) -> Iterator[Extent]:
+        nonlocal start, end
+        while length:
+            if start >= 0 and max_gap is not None and (offset - end > max_gap or offset < end):
+                yield from flush(-(-end // align) * align)
+            if start >= 0 and offset >= start + capacity:
+                yield from flush(start + capacity)
+            if start < 0:
+                start = _align_down(offset, align)
+            take = min(length, start + capacity - offset)
+            parts.append(Part(owner, owner_offset, offset - start, take))
+            end = offset + take
+            offset += take
+            owner_offset += take
+            length -= take
+            if end == start + capacity:
+                yield from flush(end)
+
+    for p in pieces:
+        offset, length, owner, owner_offset, memory = p
+        if memory is not None and length >= direct_min and (_cio.address(memory) - offset) % align == 0:
+            head = -offset % align
+            body = _align_down(length - head, align)
+            if body >= direct_min:
+                yield from stage(offset, head, owner, owner_offset)
+                yield from flush(offset + head)
+                run = Part(owner, owner_offset + head, 0, body)
+                yield Extent(offset + head, body, [], run, memory[head : head + body])
+                offset, length, owner_offset = offset + head + body, length - head - body, owner_offset + head + body
+        yield from stage(offset, length, owner, owner_offset)
+    yield from flush(-(-end // align) * align)
+
+
+class Window:
+    """Extents in flight, retired oldest first.
+
+    ``retire(extent, buffer)`` runs after an extent's transfer completed (the
+    read pipeline copies out there); a staged extent's buffer then returns to
+    the pool. ``abort`` waits out everything in flight and reclaims buffers,
+    so no transfer can outlive a failed save or load.
+    """
+
+    def __init__(self, engine: Engine, pool: BufferPool, retire: Callable[[Extent, memoryview | None], None], depth: int) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.retire = retire
+        self.depth = depth
+        self.inflight: deque[tuple[Ticket, Extent, memoryview | None]] = deque()
+
+    def buffer(self) -> memoryview:
+        while not self.pool.free:
+            self._retire_oldest()
+        return self.pool.free.pop()
+
+    def push(self, ticket: Ticket, extent: Extent, buffer: memoryview | None) -> None:
+        self.inflight.append((ticket, extent, buffer))
+        while len(self.inflight) > self.depth:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        ticket, extent, buffer = self.inflight[0]
+        self.engine.wait(ticket)  # on failure the extent stays for abort() to reclaim
+        self.inflight.popleft()
+        try:
+            self.retire(extent, buffer)
+        finally:
+            if buffer is not None:
+                self.pool.free.append(buffer)
+
+    def finish(self) -> None:
+        while self.inflight:
+            self._retire_oldest()
+
+    def abort(self) -> None:
+        self.engine.drain()
+        for _, _, buffer in self.inflight:
+            if buffer is not None:
+                self.pool.free.append(buffer)
+        self.inflight.clear()

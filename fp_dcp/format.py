@@ -1,0 +1,152 @@
+"""The on-disk format (specified for humans in docs/format.md).
+
+A checkpoint is a directory with
+
+- data files ``__{rank}_{k}.{token}.distcp``: raw item bytes at the offsets
+  the metadata gives, zero padding between them, size a multiple of 4096;
+  ``token`` is unique per save, so a new save never touches the files of the
+  checkpoint it replaces;
+- ``.metadata``: a pickled ``torch.distributed.checkpoint.Metadata`` whose
+  ``storage_data`` maps each ``MetadataIndex`` to a plain tuple
+  ``(file, offset, length, crc32c)``, followed by a JSON footer (format
+  version, data file sizes, checksum of the pickle) and a 16-byte trailer.
+  ``pickle.load`` stops at the end of the pickle, so DCP tools that unpickle
+  ``.metadata`` still work.
+
+A directory without ``.metadata`` is not a checkpoint, whatever else it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import struct
+from typing import Any, NamedTuple
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import _cio
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_NAME",
+    "ItemLocation",
+    "data_file_name",
+    "parse_data_file_name",
+    "layout",
+    "encode_metadata",
+    "decode_metadata",
+]
+
+FORMAT_NAME = "fp-dcp"
+FORMAT_VERSION = 1
+METADATA_NAME = ".metadata"
+TRAILER_MAGIC = b"FPDCP\x00\r\n"
+_TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
+
+PAGE = 4096
+SMALL_ALIGN = 64  # small items are packed tightly, at cache-line (and any dtype's) alignment
+
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]{8,32})\.distcp$")
+
+
+class ItemLocation(NamedTuple):
+    """Where one item's bytes are: ``file``, byte ``offset`` and ``length``, their CRC-32C."""
+
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+
+
+def data_file_name(rank: int, index: int, token: str) -> str:
+    return f"__{rank}_{index}.{token}.distcp"
+
+
+def parse_data_file_name(name: str) -> tuple[int, int, str] | None:
+    """(rank, index, token) for one of our data file names, else None."""
+    m = _DATA_FILE.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def layout(items: list[tuple[int, int | None]], large: int) -> tuple[list[int], int]:
+    """Offsets for items given as (length, memory address or None), and the file size.
+
+    Small items are packed at 64-byte alignment. An item of at least ``large``
+    bytes starts where its offset is congruent to its memory address modulo a
+    page (a page boundary if its address is unknown): then all of it but a
+    sub-page head and tail can go straight between tensor memory and the disk
+    with O_DIRECT, whatever alignment (up to a page) the filesystem needs.
+    """
+    offsets = []
+    cursor = 0
+    for length, address in items:
+        offset = align_up(cursor, SMALL_ALIGN)
+        if length >= large:
+            target = address % PAGE if address is not None and address % SMALL_ALIGN == 0 else 0
+            offset += (target - offset) % PAGE
+        offsets.append(offset)
+        cursor = offset + length
+    return offsets, align_up(cursor, PAGE)
+
+
+def encode_metadata(metadata: Metadata, files: dict[str, int], extra: dict[str, Any]) -> bytes:
+    """Bytes of ``.metadata``: pickle, JSON footer, trailer."""
+    body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    footer = json.dumps(
+        {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "pickle_length": len(body),
+            "pickle_crc32c": _cio.crc32c(body),
+            "files": files,
+            **extra,
+        },
+        sort_keys=True,
+    ).encode()
+    return body + footer + _TRAILER.pack(len(footer), _cio.crc32c(footer), TRAILER_MAGIC)
+
+
+def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
+    """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
+    if len(data) < _TRAILER.size or data[-8:] != TRAILER_MAGIC:
+        if data[:1] == b"\x80":  # a pickle without our trailer
+            raise IncompatibleCheckpointError(
+                f"{where} is not an fp-dcp checkpoint (no fp-dcp trailer; a torch FileSystemWriter "
+                "checkpoint?): load it with torch.distributed.checkpoint.FileSystemReader"
+            )
+        raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
+    footer_len, footer_crc, _ = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
+    footer_end = len(data) - _TRAILER.size
+    footer_bytes = data[footer_end - footer_len : footer_end] if footer_len <= footer_end else b""
+    if len(footer_bytes) != footer_len or _cio.crc32c(footer_bytes) != footer_crc:
+        raise CorruptCheckpointError(f"{where}: metadata footer fails its checksum")
+    footer = json.loads(footer_bytes)
+    if footer.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: footer names format {footer.get('format')!r}")
+    version = footer.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise IncompatibleCheckpointError(
+            f"{where} was written in fp-dcp format version {version}; this fp-dcp reads "
+            f"versions up to {FORMAT_VERSION}: upgrade fp-dcp"
+        )
+    body = data[: footer["pickle_length"]]
+    if footer["pickle_length"] != footer_end - footer_len or _cio.crc32c(body) != footer["pickle_crc32c"]:
+        raise CorruptCheckpointError(f"{where}: metadata pickle fails its checksum")
+    metadata = pickle.loads(body)
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where}: metadata pickle holds {type(metadata).__name__}")
+    return metadata, footer
+
+
+def missing_metadata(directory: str) -> NotACheckpointError:
+    return NotACheckpointError(
+        f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save "
+        "that never completed)"
+    )

@@ -1,0 +1,149 @@
+"""The write pipeline: one rank's ``WriteItem``s into one data file.
+
+Every item is resolved and checked before the file is created, so bad input
+fails before a byte is written. Items are laid out (``format.layout``), the
+file is preallocated (an early, clean ENOSPC), and the extents are written
+through the engine: large runs straight from tensor memory, the rest copied
+(with its checksum computed in the same pass) into staging buffers, while
+earlier extents are still on their way to disk. The file is fsynced before
+the results are returned; on any failure the file is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import _cio
+from .buffers import BufferPool
+from .config import IOConfig
+from .engine import DataFile, Engine, open_file
+from .extents import Extent, Piece, Window, plan_extents
+from .format import ItemLocation, layout
+from .tensors import ByteSource, check_storable
+
+__all__ = ["FileWritten", "write_file"]
+
+_ZEROS = bytes(64 * 1024)
+
+
+@dataclass
+class FileWritten:
+    name: str
+    size: int
+    payload: int  # item bytes, without padding
+    direct: bool
+
+
+class _Item:
+    __slots__ = ("write_item", "source", "offset", "crc")
+
+    def __init__(self, write_item: WriteItem, source: ByteSource) -> None:
+        self.write_item = write_item
+        self.source = source
+        self.offset = 0
+        self.crc = 0
+
+
+def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _Item:
+    fqn = write_item.index.fqn
+    data = planner.resolve_data(write_item)
+    if write_item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected io.BytesIO")
+        return _Item(write_item, ByteSource(data, slab_bytes))
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected a tensor")
+    check_storable(data, fqn)
+    source = ByteSource(data, slab_bytes)
+    expected = write_item.tensor_storage_size()
+    if source.nbytes != expected:
+        raise ValueError(f"{fqn!r}: the plan expects {expected} bytes but the tensor holds {source.nbytes}")
+    return _Item(write_item, source)
+
+
+def _zero(buf: memoryview, start: int, stop: int) -> None:
+    while start < stop:
+        n = min(stop - start, len(_ZEROS))
+        buf[start : start + n] = _ZEROS[:n]
+        start += n
+
+
+def _preallocate(f: DataFile, size: int) -> None:
+    try:
+        _cio.fallocate(f.fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(e.errno, f"no space left for a {size}-byte checkpoint file", f.path) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(e.errno, e.strerror, f.path) from None
+        os.ftruncate(f.fd, size)
+
+
+def write_file(
+    path: str,
+    write_items: list[WriteItem],
+    planner: SavePlanner,
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+) -> tuple[list[WriteResult], FileWritten]:
+    """Write ``write_items`` into a new file at ``path``, durably; return their results."""
+    items = [_resolve(wi, planner, pool.size) for wi in write_items]
+    offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
+    for it, offset in zip(items, offsets):
+        it.offset = offset
+
+    f = open_file(path, create=True, direct=config.direct_io)
+    window = Window(engine, pool, lambda extent, buffer: None, depth=config.queue_depth + pool.count)
+    try:
+        _preallocate(f, size)
+        pieces = (Piece(it.offset, it.source.nbytes, it, 0, it.source.memory) for it in items)
+        for extent in plan_extents(pieces, f.align, pool.size, config.direct_min, None):
+            if extent.direct:
+                it = extent.direct.owner
+                it.crc = _cio.crc32c(extent.memory, it.crc)
+                buffer, data = None, extent.memory
+            else:
+                buffer = _fill(window.buffer(), extent)
+                data = buffer[: extent.length]
+            window.push(engine.write(f, data, extent.file_offset), extent, buffer)
+        window.finish()
+        engine.sync([f])
+    except BaseException:
+        window.abort()
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    f.close()
+
+    name = os.path.basename(path)
+    results = [
+        WriteResult(
+            index=it.write_item.index,
+            size_in_bytes=it.source.nbytes,
+            storage_data=tuple(ItemLocation(name, it.offset, it.source.nbytes, it.crc)),
+        )
+        for it in items
+    ]
+    payload = sum(it.source.nbytes for it in items)
+    return results, FileWritten(name, size, payload, f.direct)
+
+
+def _fill(buffer: memoryview, extent: Extent) -> memoryview:
+    """Copy a staged extent's parts into ``buffer`` at their positions; zero the rest."""
+    cursor = 0
+    for owner, owner_offset, buf_offset, length in extent.parts:
+        _zero(buffer, cursor, buf_offset)
+        cursor = buf_offset + length
+        owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc)
+    _zero(buffer, cursor, extent.length)
+    return buffer

@@ -1,0 +1,145 @@
+"""Tensors as byte streams: what can be stored, and how bytes get in and out.
+
+An item's bytes are its elements in C (row-major) order, nothing else. A
+``ByteSource`` yields them for writing and a ``ByteSink`` takes them when
+reading; both expose ``memory`` (a memoryview of the whole item) when the
+tensor itself can be transferred in place, so the pipelines can skip the
+staging copy.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import torch
+
+from . import _cio
+from .errors import UnsupportedTensorError
+
+__all__ = ["check_storable", "byte_view", "ByteSource", "ByteSink"]
+
+
+def check_storable(tensor: torch.Tensor, fqn: str) -> None:
+    """Raise ``UnsupportedTensorError`` naming ``fqn`` for tensors without plain element bytes."""
+    kind = None
+    if tensor.is_nested:
+        kind = "a nested tensor"
+    elif tensor.layout != torch.strided:
+        kind = f"a tensor with layout {tensor.layout} (sparse/mkldnn)"
+    elif tensor.is_quantized:
+        kind = f"a quantized tensor ({tensor.dtype})"
+    elif tensor.device.type == "meta":
+        kind = "a meta tensor (it has no data: materialize it first)"
+    if kind is not None:
+        raise UnsupportedTensorError(f"cannot checkpoint {fqn!r}: it is {kind}; store it densely on CPU or GPU")
+
+
+def _in_place(tensor: torch.Tensor) -> bool:
+    """True when the tensor's memory already holds its bytes in C order on the host."""
+    return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _slabs(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Sub-tensors, in C order, whose bytes follow one another and fit in ``max_bytes``."""
+    if tensor.dim() == 0 or tensor.numel() * tensor.element_size() <= max_bytes:
+        yield tensor
+        return
+    row = tensor[0].numel() * tensor.element_size()
+    if row <= max_bytes:
+        step = max_bytes // row
+        for i in range(0, tensor.shape[0], step):
+            yield tensor[i : i + step]
+    else:
+        for i in range(tensor.shape[0]):
+            yield from _slabs(tensor[i], max_bytes)
+
+
+class ByteSource:
+    """An item's bytes for writing, read front to back by ``copy_into``.
+
+    In-place CPU tensors and byte strings are one memory block; anything else
+    (non-contiguous, conjugate views, other devices) is materialized on the
+    host in slabs of at most ``slab_bytes``, one slab at a time.
+    """
+
+    def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int) -> None:
+        self.memory: memoryview | None
+        self._slabs: Iterator[torch.Tensor] | None = None
+        self._slab = memoryview(b"")
+        self._slab_start = 0
+        if isinstance(data, io.BytesIO):
+            self.memory = memoryview(data.getvalue())
+            self.nbytes = self.memory.nbytes
+        else:
+            self.nbytes = data.numel() * data.element_size()
+            if _in_place(data):
+                self.memory = byte_view(data)
+            else:
+                self.memory = None
+                self._slabs = _slabs(data.detach(), slab_bytes)
+
+    @property
+    def address(self) -> int | None:
+        return _cio.address(self.memory) if self.memory is not None and self.nbytes else None
+
+    def _slab_at(self, offset: int) -> tuple[memoryview, int]:
+        while offset >= self._slab_start + len(self._slab):
+            assert self._slabs is not None
+            self._slab_start += len(self._slab)
+            slab = next(self._slabs).resolve_conj().resolve_neg()
+            slab = slab.contiguous() if slab.device.type == "cpu" else slab.to("cpu")
+            self._slab = byte_view(slab)
+        return self._slab, offset - self._slab_start
+
+    def copy_into(self, dst: memoryview, offset: int, crc: int) -> int:
+        """Copy the bytes at ``offset`` into ``dst`` (filling it); return the running CRC-32C."""
+        if self.memory is not None:
+            return _cio.copy_crc32c(dst, self.memory[offset : offset + len(dst)], crc)
+        done = 0
+        while done < len(dst):
+            slab, start = self._slab_at(offset + done)
+            n = min(len(dst) - done, len(slab) - start)
+            crc = _cio.copy_crc32c(dst[done : done + n], slab[start : start + n], crc)
+            done += n
+        return crc
+
+
+class ByteSink:
+    """Where an item's bytes go when reading: ``memory`` (``nbytes`` long), then ``commit``.
+
+    The target tensor is filled in place when it is a contiguous CPU tensor of
+    the stored dtype and shape; otherwise a host tensor of ``shape`` is filled
+    and ``commit`` copies it (or its ``region``: per-dimension offsets and
+    lengths) into the target, converting dtype and device as needed.
+    """
+
+    def __init__(
+        self,
+        target: torch.Tensor,
+        dtype: torch.dtype,
+        shape: torch.Size,
+        region: tuple[torch.Size, torch.Size] | None = None,
+    ) -> None:
+        self.target = target
+        self.region = region
+        if region is None and _in_place(target) and target.dtype == dtype and target.shape == shape:
+            self.host = target
+        else:
+            self.host = torch.empty(shape, dtype=dtype)
+        self.memory = byte_view(self.host)
+        self.nbytes = self.memory.nbytes
+
+    def commit(self) -> torch.Tensor:
+        if self.host is not self.target:
+            source = self.host
+            if self.region is not None:
+                for dim, (start, length) in enumerate(zip(*self.region)):
+                    source = source.narrow(dim, start, length)
+            self.target.copy_(source)
+        return self.target

@@ -1,0 +1,251 @@
+"""The read pipeline: a rank's ``ReadItem``s out of the data files.
+
+Per file, items are visited in storage order. For each, only the byte runs
+its requested region occupies are read: a whole item is one run (and its
+checksum is verified), a slice along the first dimensions is one shorter run,
+other boxes are one run per contiguous row segment; holes of up to
+``_HOLE`` bytes between runs are read through rather than split. Runs go
+straight into the target tensor where its memory and the file offset are
+co-aligned, else through staging buffers, several extents in flight. Targets
+are resolved lazily, just before their first bytes are read, and committed
+as soon as their last bytes are in.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections import defaultdict
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from . import _cio
+from .buffers import BufferPool
+from .config import IOConfig
+from .engine import DataFile, Engine, open_file
+from .errors import CorruptCheckpointError
+from .extents import Extent, Piece, Window, plan_extents
+from .format import ItemLocation
+from .tensors import ByteSink
+
+__all__ = ["Catalog", "read_items"]
+
+_HOLE = 256 * 1024  # read through holes up to this size instead of issuing another request
+_MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
+
+
+class Catalog:
+    """What the reader needs from a checkpoint's metadata, indexed for lookup."""
+
+    def __init__(self, metadata: Metadata, file_sizes: dict[str, int]) -> None:
+        self.locations = {index: ItemLocation._make(value) for index, value in metadata.storage_data.items()}
+        self.file_sizes = file_sizes
+        self.chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self.chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+
+    def location(self, req: ReadItem) -> ItemLocation:
+        try:
+            return self.locations[req.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(f"the checkpoint metadata has no stored bytes for {req.storage_index}") from None
+
+
+def byte_runs(sizes: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int) -> list[tuple[int, int]]:
+    """(start, length) byte runs, in order, of the box ``offsets``/``lengths`` of a C-order array."""
+    ndim = len(sizes)
+    if ndim == 0:
+        return [(0, itemsize)]
+    if 0 in lengths:
+        return []
+    k = ndim - 1  # dimensions after k are taken whole, so each run spans them
+    while k > 0 and offsets[k] == 0 and lengths[k] == sizes[k]:
+        k -= 1
+    strides = [itemsize * math.prod(sizes[i + 1 :]) for i in range(ndim)]
+    run = lengths[k] * strides[k]
+    base = offsets[k] * strides[k]
+    starts = [base]
+    for d in range(k - 1, -1, -1):
+        starts = [s + (offsets[d] + i) * strides[d] for i in range(lengths[d]) for s in starts]
+        if len(starts) > _MAX_RUNS:
+            return []
+    starts.sort()
+    runs: list[tuple[int, int]] = []
+    for s in starts:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + run)
+        else:
+            runs.append((s, run))
+    return runs
+
+
+class _Item:
+    """One ReadItem in flight: where its bytes go and how many have arrived."""
+
+    __slots__ = ("req", "location", "sink", "runs", "total", "done", "crc", "verify")
+
+    def __init__(self, req: ReadItem, location: ItemLocation) -> None:
+        self.req = req
+        self.location = location
+        self.sink: ByteSink | memoryview | None = None
+        self.runs: list[tuple[int, int]] = []
+        self.total = 0
+        self.done = 0
+        self.crc = 0
+        self.verify = False
+
+    def describe(self) -> str:
+        index = self.req.storage_index
+        where = f" (chunk at {list(index.offset)})" if index.offset is not None else ""
+        return f"{index.fqn!r}{where} in {self.location.file} bytes {self.location.offset}..{self.location.offset + self.location.length}"
+
+
+def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) -> None:
+    """Resolve the item's destination and the byte runs it needs."""
+    req, loc = item.req, item.location
+    if req.type == LoadItemType.BYTE_IO:
+        item.sink = memoryview(bytearray(loc.length))
+        item.runs = [(0, loc.length)] if loc.length else []
+    else:
+        key = (req.storage_index.fqn, tuple(req.storage_index.offset))
+        if key not in catalog.chunks:
+            raise CorruptCheckpointError(f"the checkpoint metadata describes no chunk for {item.describe()}")
+        sizes, dtype = catalog.chunks[key]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(sizes) * itemsize != loc.length:
+            raise CorruptCheckpointError(f"stored length {loc.length} does not match shape {list(sizes)} of {dtype} for {item.describe()}")
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise ValueError(f"target for {item.describe()} has shape {list(target.shape)}, the checkpoint region is {list(req.lengths)}")
+        runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
+        if runs or 0 in req.lengths:
+            item.sink = ByteSink(target, dtype, req.lengths)
+            item.runs = runs
+        else:  # too fragmented: read the chunk whole and narrow it in memory
+            item.sink = ByteSink(target, dtype, sizes, (req.storage_offsets, req.lengths))
+            item.runs = [(0, loc.length)]
+    item.total = sum(n for _, n in item.runs)
+    item.verify = verify and item.runs == [(0, loc.length)]
+
+
+def _finish(item: _Item, planner: LoadPlanner) -> None:
+    if item.verify and item.crc != item.location.crc32c:
+        raise CorruptCheckpointError(
+            f"checksum mismatch for {item.describe()}: stored {item.location.crc32c:08x}, read {item.crc:08x}"
+        )
+    if isinstance(item.sink, memoryview):
+        planner.load_bytes(item.req, io.BytesIO(item.sink.tobytes()))
+    else:
+        assert item.sink is not None
+        planner.commit_tensor(item.req, item.sink.commit())
+
+
+def _sink_memory(item: _Item) -> memoryview:
+    sink = item.sink
+    return sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
+
+
+def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: bool):
+    for item in items:
+        _prepare(item, planner, catalog, verify)
+        if not item.total:
+            _finish(item, planner)
+            continue
+        memory = _sink_memory(item)
+        at = 0
+        for start, length in item.runs:
+            yield Piece(item.location.offset + start, length, item, at, memory[at : at + length])
+            at += length
+
+
+def _open_all(directory: str, items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
+    files: dict[str, DataFile] = {}
+    try:
+        for item in items:
+            name = item.location.file
+            if name in files:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                f = open_file(path, create=False, direct=direct)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
+            files[name] = f
+            size = os.fstat(f.fd).st_size
+            expected = catalog.file_sizes.get(name)
+            if expected is not None and size < expected:
+                raise CorruptCheckpointError(f"data file {path} is truncated: {size} bytes, written as {expected}; it holds {item.describe()}")
+        for item in items:
+            end = item.location.offset + item.location.length
+            if os.fstat(files[item.location.file].fd).st_size < end:
+                raise CorruptCheckpointError(f"data file {item.location.file} ends before the end of {item.describe()}")
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return files
+
+
+def read_items(
+    directory: str,
+    requests: list[ReadItem],
+    planner: LoadPlanner,
+    catalog: Catalog,
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+    verify: bool,
+) -> int:
+    """Read every request into its planner-resolved destination; returns the bytes read."""
+    by_file: dict[str, list[_Item]] = defaultdict(list)
+    for req in requests:
+        loc = catalog.location(req)
+        by_file[loc.file].append(_Item(req, loc))
+    files = _open_all(directory, [it for items in by_file.values() for it in items], catalog, config.direct_io)
+
+    def retire(extent: Extent, buffer: memoryview | None) -> None:
+        if extent.direct is not None:
+            item = extent.direct.owner
+            if item.verify:
+                item.crc = _cio.crc32c(extent.memory, item.crc)
+            _advance(item, extent.direct.length)
+            return
+        assert buffer is not None
+        for owner, owner_offset, buf_offset, length in extent.parts:
+            dst = _sink_memory(owner)[owner_offset : owner_offset + length]
+            owner.crc = _cio.copy_crc32c(dst, buffer[buf_offset : buf_offset + length], owner.crc)
+            _advance(owner, length)
+
+    def _advance(item: _Item, n: int) -> None:
+        item.done += n
+        if item.done == item.total:
+            _finish(item, planner)
+
+    total = 0
+    window = Window(engine, pool, retire, depth=config.queue_depth + pool.count)
+    try:
+        for name, items in by_file.items():
+            f = files[name]
+            items.sort(key=lambda it: it.location.offset)
+            for extent in plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _HOLE):
+                if extent.direct is not None:
+                    buffer, into = None, extent.memory
+                else:
+                    buffer = window.buffer()
+                    into = buffer[: extent.length]
+                assert into is not None
+                window.push(engine.read(f, into, extent.file_offset), extent, buffer)
+                total += extent.length
+        window.finish()
+    except BaseException:
+        window.abort()
+        raise
+    finally:
+        for f in files.values():
+            f.close()
+    return total

@@ -1,0 +1,40 @@
+"""Builds fp_dcp._cio from cio/cio.c, linked against liburing when its headers are present.
+
+FP_DCP_WITHOUT_LIBURING=1 builds without io_uring (the threads engine is then
+used); FP_DCP_WERROR=1 turns compiler warnings into errors (CI).
+"""
+
+import os
+import shlex
+import subprocess
+import sysconfig
+
+from setuptools import Extension, setup
+
+_PROBE = b"#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(1, &r, 0); }\n"
+
+
+def have_liburing() -> bool:
+    if os.environ.get("FP_DCP_WITHOUT_LIBURING") == "1":
+        return False
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    probe = subprocess.run([*cc, "-x", "c", "-", "-luring", "-o", os.devnull], input=_PROBE, capture_output=True)
+    return probe.returncode == 0
+
+
+uring = have_liburing()
+flags = ["-O2", "-std=gnu11", "-Wall", "-Wextra"]
+if os.environ.get("FP_DCP_WERROR") == "1":
+    flags.append("-Werror")
+
+setup(
+    ext_modules=[
+        Extension(
+            "fp_dcp._cio",
+            sources=["cio/cio.c"],
+            define_macros=[("FP_DCP_HAVE_LIBURING", "1")] if uring else [],
+            libraries=["uring"] if uring else [],
+            extra_compile_args=flags,
+        )
+    ]
+)

@@ -1,0 +1,58 @@
+"""Shared helpers: every test saves and loads in its own temporary directory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
+
+SMALL = IOConfig(buffer_size=64 * 1024, num_buffers=3, block_size=16 * 1024, queue_depth=4, direct_min=8192)
+"""Tiny buffers and requests, so small tensors exercise splitting, direct runs and buffer reuse."""
+
+
+def save(state: dict[str, Any], path, **kwargs: Any) -> FastPersistWriter:
+    writer = FastPersistWriter(path, **kwargs)
+    dcp.save(state, storage_writer=writer)
+    return writer
+
+
+def load(state: dict[str, Any], path, **kwargs: Any) -> FastPersistReader:
+    reader = FastPersistReader(path, **kwargs)
+    dcp.load(state, storage_reader=reader)
+    return reader
+
+
+def empty_like(state: Any) -> Any:
+    """A state dict shaped like ``state`` with every tensor zeroed, for loading into."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: empty_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [empty_like(v) for v in state]
+    return None
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs and every exotic dtype included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def failure(exc_info: pytest.ExceptionInfo) -> BaseException:
+    """The exception a rank raised inside a CheckpointException."""
+    err = exc_info.value
+    if isinstance(err, CheckpointException):
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return tmp_path / "ckpt"
