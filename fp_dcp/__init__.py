@@ -9,16 +9,9 @@
 
 from __future__ import annotations
 
+from . import errors
 from .config import IOConfig
-from .errors import (
-    CheckpointBusyError,
-    CheckpointError,
-    CheckpointExistsError,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    NotACheckpointError,
-    UnsupportedTensorError,
-)
+from .errors import *  # noqa: F403  (the exception types are part of the public API)
 from .info import engine_info
 from .reader import FastPersistReader, LoadSummary
 from .writer import FastPersistWriter, SaveSummary
@@ -32,11 +25,5 @@ __all__ = [
     "SaveSummary",
     "LoadSummary",
     "engine_info",
-    "CheckpointError",
-    "NotACheckpointError",
-    "IncompatibleCheckpointError",
-    "CorruptCheckpointError",
-    "CheckpointExistsError",
-    "CheckpointBusyError",
-    "UnsupportedTensorError",
+    *errors.__all__,
 ]

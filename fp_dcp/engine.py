@@ -272,10 +272,12 @@ class UringEngine(Engine):
     def wait(self, ticket: Ticket) -> None:
         while ticket.pending:
             self._kick()
-            if ticket.pending:
-                if not self.ring.in_flight:
-                    raise RuntimeError("fp-dcp engine: a ticket is pending with nothing in flight")
+            if not ticket.pending:
+                break
+            if self.ring.in_flight:
                 self._complete(self.ring.wait(1))
+            elif not self.backlog:
+                raise RuntimeError("fp-dcp engine: a ticket is pending with nothing in flight")
         if ticket.error is not None:
             raise ticket.error
 

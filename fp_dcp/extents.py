@@ -68,28 +68,31 @@ def plan_extents(
 ) -> Iterator[Extent]:
     """Aligned extents covering ``pieces`` (sorted by file offset).
 
-    ``max_gap`` None means the pieces tile the file (writing): extents are
-    contiguous and what lies between pieces is padding. An integer means
-    reading: a hole longer than ``max_gap`` bytes is skipped, and pieces may
-    overlap (the overlapping blocks are then read twice).
+    ``max_gap`` None means writing: pieces never overlap, and the bytes
+    between them inside an extent are padding (blocks between extents are
+    not written at all). An integer means reading: a hole longer than
+    ``max_gap`` bytes is skipped, and pieces may overlap (the overlapping
+    blocks are then read twice).
     """
     start = -1  # file offset of the staged extent being filled; -1: none
     end = 0  # end of the data placed in it
     parts: list[Part] = []
 
-    def flush(stop: int) -> Iterator[Extent]:
+    def flush() -> Iterator[Extent]:
+        # End at the block holding the last byte placed: what lies beyond, up to the
+        # next extent, is left alone (zeros from preallocation when writing).
         nonlocal start, parts
         if parts:
-            yield Extent(start, stop - start, parts, None, None)
+            yield Extent(start, -(-end // align) * align - start, parts, None, None)
         start, parts = -1, []
 
     def stage(offset: int, length: int, owner: Any, owner_offset: int) -> Iterator[Extent]:
         nonlocal start, end
         while length:
             if start >= 0 and max_gap is not None and (offset - end > max_gap or offset < end):
-                yield from flush(-(-end // align) * align)
+                yield from flush()
             if start >= 0 and offset >= start + capacity:
-                yield from flush(start + capacity)
+                yield from flush()
             if start < 0:
                 start = _align_down(offset, align)
             take = min(length, start + capacity - offset)
@@ -99,7 +102,7 @@ def plan_extents(
             owner_offset += take
             length -= take
             if end == start + capacity:
-                yield from flush(end)
+                yield from flush()
 
     for p in pieces:
         offset, length, owner, owner_offset, memory = p
@@ -108,12 +111,12 @@ def plan_extents(
             body = _align_down(length - head, align)
             if body >= direct_min:
                 yield from stage(offset, head, owner, owner_offset)
-                yield from flush(offset + head)
+                yield from flush()
                 run = Part(owner, owner_offset + head, 0, body)
                 yield Extent(offset + head, body, [], run, memory[head : head + body])
                 offset, length, owner_offset = offset + head + body, length - head - body, owner_offset + head + body
         yield from stage(offset, length, owner, owner_offset)
-    yield from flush(-(-end // align) * align)
+    yield from flush()
 
 
 class Window:

@@ -116,10 +116,10 @@ def encode_metadata(metadata: Metadata, files: dict[str, int], extra: dict[str, 
 def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
     if len(data) < _TRAILER.size or data[-8:] != TRAILER_MAGIC:
-        if data[:1] == b"\x80":  # a pickle without our trailer
+        if _is_stock_dcp(data):
             raise IncompatibleCheckpointError(
-                f"{where} is not an fp-dcp checkpoint (no fp-dcp trailer; a torch FileSystemWriter "
-                "checkpoint?): load it with torch.distributed.checkpoint.FileSystemReader"
+                f"{where} belongs to a torch FileSystemWriter checkpoint, not an fp-dcp one: "
+                "load it with torch.distributed.checkpoint.FileSystemReader"
             )
         raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
     footer_len, footer_crc, _ = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
@@ -143,6 +143,15 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where}: metadata pickle holds {type(metadata).__name__}")
     return metadata, footer
+
+
+def _is_stock_dcp(data: bytes) -> bool:
+    """Whether ``data`` is the pickled Metadata of torch's FileSystemWriter (storage entries with a relative_path)."""
+    try:
+        metadata = pickle.loads(data)
+        return isinstance(metadata, Metadata) and all(hasattr(v, "relative_path") for v in metadata.storage_data.values())
+    except Exception:
+        return False
 
 
 def missing_metadata(directory: str) -> NotACheckpointError:

@@ -22,17 +22,17 @@ __all__ = ["check_storable", "byte_view", "ByteSource", "ByteSink"]
 
 def check_storable(tensor: torch.Tensor, fqn: str) -> None:
     """Raise ``UnsupportedTensorError`` naming ``fqn`` for tensors without plain element bytes."""
-    kind = None
+    problem = None
     if tensor.is_nested:
-        kind = "a nested tensor"
+        problem = "it is a nested tensor: save its unbind() components instead"
     elif tensor.layout != torch.strided:
-        kind = f"a tensor with layout {tensor.layout} (sparse/mkldnn)"
+        problem = f"it has layout {tensor.layout}: convert it with .to_dense() first"
     elif tensor.is_quantized:
-        kind = f"a quantized tensor ({tensor.dtype})"
+        problem = f"it is a quantized tensor ({tensor.dtype}): save its int_repr(), scale and zero point instead"
     elif tensor.device.type == "meta":
-        kind = "a meta tensor (it has no data: materialize it first)"
-    if kind is not None:
-        raise UnsupportedTensorError(f"cannot checkpoint {fqn!r}: it is {kind}; store it densely on CPU or GPU")
+        problem = "it is a meta tensor, which holds no data: materialize it (e.g. to_empty() and initialize) first"
+    if problem is not None:
+        raise UnsupportedTensorError(f"cannot checkpoint {fqn!r}: {problem}")
 
 
 def _in_place(tensor: torch.Tensor) -> bool:

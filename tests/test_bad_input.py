@@ -1,0 +1,178 @@
+"""Bad input gets a clear error naming the problem, and leaves nothing that looks like a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import failure, load, save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fp_dcp import (
+    CheckpointExistsError,
+    FastPersistReader,
+    FastPersistWriter,
+    IncompatibleCheckpointError,
+    IOConfig,
+    NotACheckpointError,
+    UnsupportedTensorError,
+    format,
+)
+
+
+def load_error(state, path) -> str:
+    """The message of a failed load (DCP wraps read_metadata errors into its own)."""
+    with pytest.raises(CheckpointException) as e:
+        load(state, path)
+    return str(failure(e))
+
+
+def test_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        FastPersistWriter(f)
+    writer = FastPersistWriter(tmp_path / "ok")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        writer.reset(f)
+    assert not FastPersistWriter.validate_checkpoint_id(f)
+    assert not FastPersistWriter.validate_checkpoint_id("s3://bucket/ckpt")
+    with pytest.raises(ValueError, match="looks like a URL"):
+        FastPersistWriter("s3://bucket/ckpt")
+
+
+def test_parent_is_a_file(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(CheckpointException) as e:
+        save({"w": torch.ones(2)}, tmp_path / "file" / "ckpt")
+    err = failure(e)
+    assert isinstance(err, NotADirectoryError) and "file" in str(err)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_parent_not_writable():
+    """An unprivileged user saving under a directory it cannot write to."""
+    top = tempfile.mkdtemp()  # pytest's own temp tree is closed to other users
+    os.chmod(top, 0o755)
+    parent = Path(top) / "readonly"
+    parent.mkdir(mode=0o755)
+    script = textwrap.dedent(
+        f"""
+        import os, warnings, torch, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        warnings.filterwarnings("ignore")
+        from fp_dcp import FastPersistWriter
+        os.setgid(65534); os.setuid(65534)
+        try:
+            dcp.save({{"w": torch.ones(2)}}, storage_writer=FastPersistWriter({str(parent / "ckpt")!r}))
+        except CheckpointException as e:
+            exc = next(iter(e.failures.values()))[0]
+            print(type(exc).__name__, exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=os.getcwd())
+    try:
+        assert out.stdout.startswith("PermissionError") and str(parent / "ckpt") in out.stdout
+        assert list(parent.iterdir()) == []
+    finally:
+        shutil.rmtree(top)
+
+
+def test_overwrite_false_refuses_before_writing(ckpt):
+    save({"w": torch.ones(4)}, ckpt)
+    before = sorted(os.listdir(ckpt))
+    with pytest.raises(CheckpointException) as e:
+        save({"w": torch.zeros(4)}, ckpt, overwrite=False)
+    err = failure(e)
+    assert isinstance(err, CheckpointExistsError) and "overwrite=False" in str(err)
+    assert sorted(os.listdir(ckpt)) == before
+    target = {"w": torch.zeros(4)}
+    load(target, ckpt)
+    assert torch.equal(target["w"], torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: torch.eye(3).to_sparse(), "to_dense"),
+        (lambda: torch.eye(3).to_sparse_csr(), "to_dense"),
+        (lambda: torch.empty(3, device="meta"), "meta tensor"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+    ],
+    ids=["sparse_coo", "sparse_csr", "meta", "quantized"],
+)
+def test_unsupported_tensor_kinds_are_named(ckpt, make, words):
+    with pytest.raises(CheckpointException) as e:
+        save({"fine": torch.ones(3), "layer.odd": make()}, ckpt)
+    err = failure(e)
+    assert isinstance(err, UnsupportedTensorError)
+    assert "'layer.odd'" in str(err) and words in str(err)
+    assert not (ckpt / ".metadata").exists()
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".distcp")]
+
+
+def test_reader_on_missing_and_non_checkpoint_directories(tmp_path):
+    assert "is not a directory" in load_error({"w": torch.zeros(2)}, tmp_path / "nowhere")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("hello")
+    message = load_error({"w": torch.zeros(2)}, tmp_path / "plain")
+    assert "holds no checkpoint: .metadata is missing" in message
+    with pytest.raises(NotACheckpointError):
+        FastPersistReader(tmp_path / "plain").read_metadata()
+    assert not FastPersistReader.validate_checkpoint_id(tmp_path / "plain")
+
+
+def test_reader_on_a_filesystemwriter_checkpoint(tmp_path):
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    with pytest.raises(IncompatibleCheckpointError, match="FileSystemReader"):
+        FastPersistReader(tmp_path).read_metadata()
+
+
+def rewrite_footer(path, **changes) -> None:
+    """Re-encode .metadata's footer with ``changes``, keeping its checksums valid."""
+    data = (path / ".metadata").read_bytes()
+    footer_len, _, magic = struct.unpack("<II8s", data[-16:])
+    body_end = len(data) - 16 - footer_len
+    footer = json.loads(data[body_end:-16])
+    footer.update(changes)
+    new = json.dumps(footer).encode()
+    (path / ".metadata").write_bytes(data[:body_end] + new + struct.pack("<II8s", len(new), format._cio.crc32c(new), magic))
+
+
+def test_reader_refuses_a_future_format_version(ckpt):
+    save({"w": torch.ones(2)}, ckpt)
+    rewrite_footer(ckpt, format_version=format.FORMAT_VERSION + 1)
+    with pytest.raises(IncompatibleCheckpointError, match="format version 2; this fp-dcp reads versions up to 1"):
+        FastPersistReader(ckpt).read_metadata()
+
+
+def test_load_into_wrong_shape_names_the_item(ckpt):
+    save({"w": torch.ones(4, 4)}, ckpt)
+    with pytest.raises(CheckpointException) as e:
+        load({"w": torch.zeros(4, 5)}, ckpt)
+    assert "w" in str(e.value)
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="buffer_size must be a positive multiple of 4096"):
+        IOConfig(buffer_size=1000)
+    with pytest.raises(ValueError, match="num_buffers must be at least 2"):
+        IOConfig(num_buffers=1)
+    with pytest.raises(ValueError, match="engine must be"):
+        IOConfig(engine="spdk")  # type: ignore[arg-type]
+
+
+def test_use_collectives_false_is_refused(ckpt):
+    # without collectives DCP calls the writer directly, so the error arrives unwrapped
+    with pytest.raises(ValueError, match="needs use_collectives=True"):
+        dcp.save({"w": torch.ones(2)}, storage_writer=FastPersistWriter(ckpt), use_collectives=False)

@@ -1,0 +1,151 @@
+"""The C extension on its own: CRC-32C, the ring, the system helpers."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+
+import pytest
+
+from fp_dcp import _cio
+
+needs_uring = pytest.mark.skipif(not _cio.HAVE_IO_URING, reason="built without liburing")
+
+
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """Bit-by-bit CRC-32C straight from the polynomial's definition."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_known_vector():
+    assert _cio.crc32c(b"123456789") == 0xE3069283  # RFC 3720 check value
+    assert _cio.crc32c(b"") == 0
+    assert _cio.crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 zero bytes
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 63, 4096, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9, 100_003])
+def test_crc32c_matches_reference_at_every_alignment(length):
+    rng = random.Random(length)
+    raw = bytes(rng.getrandbits(8) for _ in range(length + 8))
+    for shift in (0, 1, 3, 7):
+        data = raw[shift : shift + length]
+        expected = crc32c_reference(data) if length < 5000 else None
+        got = _cio.crc32c(data)
+        if expected is not None:
+            assert got == expected
+        cut = rng.randrange(length + 1)
+        assert _cio.crc32c(data[cut:], _cio.crc32c(data[:cut])) == got  # chaining
+
+
+def test_crc32c_lanes_match_reference():
+    """Inputs long enough for the three interleaved lanes, checked bit by bit."""
+    data = os.urandom(2 * 3 * 8192 + 77)
+    assert _cio.crc32c(data) == crc32c_reference(data)
+    assert _cio.crc32c(memoryview(data)[5:]) == crc32c_reference(data[5:])
+
+
+def test_copy_crc32c_copies_and_checksums():
+    src = os.urandom(1_000_001)
+    dst = bytearray(len(src))
+    assert _cio.copy_crc32c(dst, src, 0) == _cio.crc32c(src)
+    assert bytes(dst) == src
+    with pytest.raises(ValueError, match="dst has"):
+        _cio.copy_crc32c(bytearray(3), b"abcd")
+    with pytest.raises(TypeError):
+        _cio.copy_crc32c(b"read-only", b"read-only")
+    with pytest.raises(ValueError, match="32 bits"):
+        _cio.crc32c(b"x", 1 << 40)
+
+
+def aligned(n: int) -> mmap.mmap:
+    return mmap.mmap(-1, n)
+
+
+@needs_uring
+def test_ring_write_read_fsync_roundtrip(tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+    try:
+        ring = _cio.Ring(4)
+        out, back = aligned(1 << 16), aligned(1 << 16)
+        out[:] = os.urandom(1 << 16)
+        ring.register_buffers([out])
+        assert ring.fixed_buffers == 1
+        ring.write(fd, memoryview(out)[:8192], 0, "a")  # fixed buffer
+        ring.write(fd, memoryview(out)[8192:], 8192, "b")
+        done = dict(ring.wait(2))
+        assert done == {"a": 8192, "b": (1 << 16) - 8192}
+        ring.fsync(fd, "sync", datasync=True)
+        assert ring.wait(1) == [("sync", 0)]
+        ring.read(fd, memoryview(back), 0, "r")  # not registered: plain read
+        assert ring.wait(1) == [("r", 1 << 16)]
+        assert back[:] == out[:]
+        assert ring.in_flight == 0
+        ring.close()
+        with pytest.raises(ValueError, match="closed"):
+            ring.wait(0)
+    finally:
+        os.close(fd)
+
+
+@needs_uring
+def test_ring_reports_errno_and_bounds_depth(tmp_path):
+    ring = _cio.Ring(2)
+    buf = aligned(4096)
+    ring.read(-1, memoryview(buf), 0, "bad-fd")
+    assert ring.wait(1) == [("bad-fd", -errno.EBADF)]
+    fd = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+    try:
+        ring.write(fd, memoryview(buf)[:1000], 0, "unaligned")  # O_DIRECT refuses odd lengths
+        assert ring.wait(1) == [("unaligned", -errno.EINVAL)]
+        ring.write(fd, memoryview(buf), 0, 1)
+        ring.write(fd, memoryview(buf), 4096, 2)
+        with pytest.raises(BlockingIOError):
+            ring.write(fd, memoryview(buf), 8192, 3)
+        assert sorted(tag for tag, _ in ring.wait(2)) == [1, 2]
+        with pytest.raises(TypeError):
+            ring.read(fd, b"immutable", 0, "x")
+        with pytest.raises(ValueError, match="depth"):
+            _cio.Ring(0)
+    finally:
+        ring.close()
+        os.close(fd)
+
+
+@needs_uring
+def test_ring_keeps_buffer_alive_while_in_flight(tmp_path):
+    """An in-flight request holds its buffer: the mapping cannot be closed under it."""
+    fd = os.open(tmp_path / "h", os.O_RDWR | os.O_CREAT)
+    ring = _cio.Ring(1)
+    buf = aligned(4096)
+    ring.write(fd, memoryview(buf), 0, "w")
+    with pytest.raises(BufferError):
+        buf.close()
+    ring.wait(1)
+    buf.close()  # released with the completion
+    ring.close()
+    os.close(fd)
+
+
+def test_dio_alignment_and_fallocate(tmp_path):
+    fd = os.open(tmp_path / "i", os.O_RDWR | os.O_CREAT)
+    try:
+        reported = _cio.dio_alignment(fd)
+        assert reported is None or all(isinstance(v, int) for v in reported)
+        _cio.fallocate(fd, 0, 1 << 20)
+        assert os.fstat(fd).st_size == 1 << 20
+        with pytest.raises(OSError) as e:
+            _cio.fallocate(-1, 0, 10)
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    buf = aligned(8192)
+    assert _cio.address(buf) % mmap.PAGESIZE == 0
+    assert _cio.address(memoryview(buf)[100:]) == _cio.address(buf) + 100

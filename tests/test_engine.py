@@ -1,0 +1,187 @@
+"""Engines and their fallbacks: io_uring refused, O_DIRECT refused, no liburing at build time."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load, save
+
+import fp_dcp
+from fp_dcp import IOConfig, _cio, engine
+from fp_dcp.buffers import BufferPool
+from fp_dcp.errors import CorruptCheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_log_once():
+    engine._logged.clear()
+    yield
+    engine._logged.clear()
+
+
+@pytest.mark.parametrize("kind", ["io_uring", "threads"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_engine_transfers_and_errors(tmp_path, kind, direct):
+    if kind == "io_uring" and not _cio.HAVE_IO_URING:
+        pytest.skip("built without liburing")
+    config = IOConfig(engine=kind, block_size=8192, queue_depth=2)
+    eng = engine.create_engine(config)
+    pool = BufferPool(1 << 16, 2)
+    eng.register_buffers(pool.views)
+    data = os.urandom(1 << 16)
+    out, back = pool.views
+    out[:] = data
+    f = engine.open_file(str(tmp_path / "f"), create=True, direct=direct)
+    assert f.direct is direct and (f.align >= 512 if direct else f.align == 1)
+    eng.wait(eng.write(f, out, 0))  # 8 requests through a queue of 2
+    eng.sync([f])
+    f.close()
+    g = engine.open_file(str(tmp_path / "f"), create=False, direct=direct)
+    eng.wait(eng.read(g, back, 0))
+    assert bytes(back) == data
+    with pytest.raises(CorruptCheckpointError, match="file ends before"):
+        eng.wait(eng.read(g, back, 1 << 16))  # past the end
+    g.close()
+    with pytest.raises(FileExistsError):
+        engine.open_file(str(tmp_path / "f"), create=True, direct=direct)  # never clobbers
+    eng.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("kind", ["io_uring", "threads"])
+def test_fault_injection_fails_the_kth_request(tmp_path, kind, monkeypatch):
+    if kind == "io_uring" and not _cio.HAVE_IO_URING:
+        pytest.skip("built without liburing")
+    monkeypatch.setenv(engine.FAULT_ENV, "3")
+    eng = engine.create_engine(IOConfig(engine=kind, block_size=4096))
+    pool = BufferPool(1 << 14, 2)
+    f = engine.open_file(str(tmp_path / "f"), create=True, direct=None)
+    ticket = eng.write(f, pool.views[0], 0)  # four requests, the third fails
+    with pytest.raises(OSError) as e:
+        eng.wait(ticket)
+    assert e.value.errno == errno.EIO and e.value.filename == f.path and "injected" in str(e.value)
+    f.close()
+    eng.close()
+    pool.close()
+
+
+def test_io_uring_refused_falls_back_to_threads(ckpt, monkeypatch, caplog):
+    if not _cio.HAVE_IO_URING:
+        pytest.skip("built without liburing")
+
+    def refused(depth):
+        raise PermissionError(errno.EPERM, "Operation not permitted", "io_uring_queue_init")
+
+    monkeypatch.setattr(_cio, "Ring", refused)
+    caplog.set_level(logging.WARNING, logger="fp_dcp")
+    state = {"w": torch.randn(1000, 100)}
+    writer = save(state, ckpt)
+    assert writer.last_save.engine.startswith("threads (io_uring refused by the kernel")
+    assert "using the threads engine because io_uring refused" in caplog.text
+    target = {"w": torch.zeros(1000, 100)}
+    reader = load(target, ckpt)
+    assert torch.equal(target["w"], state["w"])
+    assert reader.last_load.engine.startswith("threads")
+    assert caplog.text.count("using the threads engine") == 1  # logged once
+    with pytest.raises(RuntimeError, match="engine='io_uring' was requested but io_uring refused"):
+        engine.create_engine(IOConfig(engine="io_uring"))
+
+
+def test_o_direct_refused_falls_back_to_page_cache(ckpt, monkeypatch, caplog):
+    """As on a filesystem without O_DIRECT: open(O_DIRECT) fails with EINVAL."""
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(engine.os, "open", no_direct)
+    caplog.set_level(logging.WARNING, logger="fp_dcp")
+    state = {"w": torch.randn(777, 33), "b": torch.arange(5)}
+    writer = save(state, ckpt)
+    assert writer.last_save.direct_io is False
+    assert "O_DIRECT refused" in caplog.text
+    target = {"w": torch.zeros(777, 33), "b": torch.zeros(5, dtype=torch.int64)}
+    load(target, ckpt)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    with pytest.raises(OSError, match="refuses O_DIRECT and direct_io=True"):
+        engine.open_file(str(ckpt / "x"), create=True, direct=True)
+
+
+def test_same_bytes_on_disk_whatever_the_engine(tmp_path):
+    """The engines and I/O modes differ in how, never in what they write."""
+    state = {"a": torch.randn(300, 301), "b": torch.randn(7), "c": torch.randn(2000, 999)}
+    contents = set()
+    for i, config in enumerate(
+        [IOConfig(engine="io_uring" if _cio.HAVE_IO_URING else "threads", direct_io=True),
+         IOConfig(engine="threads", direct_io=True), IOConfig(engine="threads", direct_io=False)]
+    ):
+        path = tmp_path / str(i)
+        save(state, path, config=config)
+        (data_file,) = [p for p in path.iterdir() if p.suffix == ".distcp"]
+        contents.add(data_file.read_bytes())
+    assert len(contents) == 1
+
+
+def test_environment_forces_engine(monkeypatch):
+    monkeypatch.setenv("FP_DCP_ENGINE", "threads")
+    monkeypatch.setenv("FP_DCP_DIRECT_IO", "0")
+    config = IOConfig()
+    assert config.engine == "threads" and config.direct_io is False
+    assert IOConfig(engine="auto").engine == "auto"  # an argument wins
+    monkeypatch.setenv("FP_DCP_ENGINE", "fast")
+    with pytest.raises(ValueError, match="FP_DCP_ENGINE must be"):
+        IOConfig()
+
+
+def test_engine_info_reports_choice(tmp_path):
+    info = fp_dcp.engine_info(str(tmp_path))
+    assert info["engine"] in ("io_uring", "threads")
+    assert info["direct_io"] in (True, False)
+    assert info["alignment"] >= 1
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_built_without_liburing_uses_threads(tmp_path):
+    """Build fp_dcp._cio without io_uring, as on a machine without liburing headers, and save with it."""
+    pkg = tmp_path / "fp_dcp"
+    shutil.copytree(ROOT / "fp_dcp", pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    ext = pkg / ("_cio" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    subprocess.run(
+        [*cc, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", f"-I{sysconfig.get_paths()['include']}",
+         str(ROOT / "cio" / "cio.c"), "-o", str(ext)],
+        check=True,
+    )
+    script = textwrap.dedent(
+        f"""
+        import warnings, torch, torch.distributed.checkpoint as dcp
+        warnings.filterwarnings("ignore")
+        import fp_dcp
+        from fp_dcp import _cio, FastPersistWriter, FastPersistReader
+        assert not _cio.HAVE_IO_URING and not hasattr(_cio, "Ring")
+        w = FastPersistWriter({str(tmp_path / "ckpt")!r})
+        state = {{"w": torch.randn(100, 100)}}
+        dcp.save(state, storage_writer=w)
+        target = {{"w": torch.zeros(100, 100)}}
+        dcp.load(target, storage_reader=FastPersistReader({str(tmp_path / "ckpt")!r}))
+        assert torch.equal(target["w"], state["w"])
+        print(w.last_save.engine)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "threads (fp_dcp._cio was built without liburing)"
