@@ -22,6 +22,7 @@ import json
 import pickle
 import re
 import struct
+import sys
 from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -106,6 +107,7 @@ def encode_metadata(metadata: Metadata, files: dict[str, int], extra: dict[str, 
             "pickle_length": len(body),
             "pickle_crc32c": _cio.crc32c(body),
             "files": files,
+            "byteorder": sys.byteorder,
             **extra,
         },
         sort_keys=True,
@@ -136,6 +138,8 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
             f"{where} was written in fp-dcp format version {version}; this fp-dcp reads "
             f"versions up to {FORMAT_VERSION}: upgrade fp-dcp"
         )
+    if footer["byteorder"] != sys.byteorder:
+        raise IncompatibleCheckpointError(f"{where} holds {footer['byteorder']}-endian data; this host is {sys.byteorder}-endian")
     body = data[: footer["pickle_length"]]
     if footer["pickle_length"] != footer_end - footer_len or _cio.crc32c(body) != footer["pickle_crc32c"]:
         raise CorruptCheckpointError(f"{where}: metadata pickle fails its checksum")
