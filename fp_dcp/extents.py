@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from . import _cio
 from .buffers import BufferPool
 from .engine import Engine, Ticket
 
-__all__ = ["Piece", "Part", "Extent", "plan_extents", "Window"]
+T = TypeVar("T")
+
+__all__ = ["Piece", "Part", "Extent", "plan_extents", "interleave", "Window"]
 
 
 class Piece(NamedTuple):
@@ -117,6 +119,20 @@ def plan_extents(
                 offset, length, owner_offset = offset + head + body, length - head - body, owner_offset + head + body
         yield from stage(offset, length, owner, owner_offset)
     yield from flush()
+
+
+def interleave(streams: list[Iterator[T]]) -> Iterator[T]:
+    """Items of several iterators in turn, one from each, until all are exhausted.
+
+    Files on different devices then have transfers in flight at the same time.
+    """
+    active = list(streams)
+    while active:
+        for stream in list(active):
+            try:
+                yield next(stream)
+            except StopIteration:
+                active.remove(stream)
 
 
 class Window:

@@ -72,6 +72,14 @@ def parse_data_file_name(name: str) -> tuple[int, int, str] | None:
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
+def file_index(name: str) -> int:
+    """``k`` of a data file named ``__{rank}_{k}.{token}.distcp``."""
+    parsed = parse_data_file_name(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not an fp-dcp data file name")
+    return parsed[1]
+
+
 def align_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -97,7 +105,7 @@ def layout(items: list[tuple[int, int | None]], large: int) -> tuple[list[int], 
     return offsets, align_up(cursor, PAGE)
 
 
-def encode_metadata(metadata: Metadata, files: dict[str, int], extra: dict[str, Any]) -> bytes:
+def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra: dict[str, Any]) -> bytes:
     """Bytes of ``.metadata``: pickle, JSON footer, trailer."""
     body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     footer = json.dumps(

@@ -1,12 +1,12 @@
-"""The write pipeline: one rank's ``WriteItem``s into one data file.
+"""The write pipeline: one rank's ``WriteItem``s into its data files.
 
-Every item is resolved and checked before the file is created, so bad input
+Every item is resolved and checked before a file is created, so bad input
 fails before a byte is written. Items are laid out (``format.layout``), the
 file is preallocated (an early, clean ENOSPC), and the extents are written
 through the engine: large runs straight from tensor memory, the rest copied
 (with its checksum computed in the same pass) into staging buffers, while
 earlier extents are still on their way to disk. The file is fsynced before
-the results are returned; on any failure the file is removed.
+the results are returned; on any failure the files are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -25,11 +26,11 @@ from . import _cio
 from .buffers import BufferPool
 from .config import IOConfig
 from .engine import DataFile, Engine, open_file
-from .extents import Extent, Piece, Window, plan_extents
+from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation, layout
 from .tensors import ByteSource, check_storable
 
-__all__ = ["FileWritten", "write_file"]
+__all__ = ["FileWritten", "split_items", "write_files"]
 
 _ZEROS = bytes(64 * 1024)
 
@@ -69,6 +70,22 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _I
     return _Item(write_item, source)
 
 
+def split_items(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Deal items into ``n`` groups of near-equal bytes (largest first into the lightest), keeping plan order within each."""
+    if n == 1:
+        return [list(items)]
+    loads = [0] * n
+    group_of = {}
+    for i in sorted(range(len(items)), key=lambda i: -(items[i].tensor_storage_size() or 0)):
+        g = loads.index(min(loads))
+        group_of[i] = g
+        loads[g] += items[i].tensor_storage_size() or 0
+    groups: list[list[WriteItem]] = [[] for _ in range(n)]
+    for i, item in enumerate(items):
+        groups[group_of[i]].append(item)
+    return groups
+
+
 def _zero(buf: memoryview, start: int, stop: int) -> None:
     while start < stop:
         n = min(stop - start, len(_ZEROS))
@@ -87,26 +104,37 @@ def _preallocate(f: DataFile, size: int) -> None:
         os.ftruncate(f.fd, size)
 
 
-def write_file(
-    path: str,
-    write_items: list[WriteItem],
+def write_files(
+    targets: list[tuple[str, list[WriteItem]]],
     planner: SavePlanner,
     engine: Engine,
     pool: BufferPool,
     config: IOConfig,
-) -> tuple[list[WriteResult], FileWritten]:
-    """Write ``write_items`` into a new file at ``path``, durably; return their results."""
-    items = [_resolve(wi, planner, pool.size) for wi in write_items]
-    offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
-    for it, offset in zip(items, offsets):
-        it.offset = offset
+) -> tuple[list[WriteResult], list[FileWritten]]:
+    """Write each (path, items) target into a new file, all durably; return the items' results.
 
-    f = open_file(path, create=True, direct=config.direct_io)
+    The files' extents are interleaved, so files on different devices are
+    written at the same time.
+    """
+    plans = []
+    for path, write_items in targets:
+        items = [_resolve(wi, planner, pool.size) for wi in write_items]
+        offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
+        for it, offset in zip(items, offsets):
+            it.offset = offset
+        plans.append((path, items, size))
+
+    files: list[DataFile] = []
     window = Window(engine, pool, lambda extent, buffer: None, depth=config.queue_depth + pool.count)
     try:
-        _preallocate(f, size)
-        pieces = (Piece(it.offset, it.source.nbytes, it, 0, it.source.memory) for it in items)
-        for extent in plan_extents(pieces, f.align, pool.size, config.direct_min, None):
+        streams = []
+        for path, items, size in plans:
+            f = open_file(path, create=True, direct=config.direct_io)
+            files.append(f)
+            _preallocate(f, size)
+            pieces = (Piece(it.offset, it.source.nbytes, it, 0, it.source.memory) for it in items)
+            streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
+        for f, extent in interleave(streams):
             if extent.direct:
                 it = extent.direct.owner
                 it.crc = _cio.crc32c(extent.memory, it.crc)
@@ -116,26 +144,31 @@ def write_file(
                 data = buffer[: extent.length]
             window.push(engine.write(f, data, extent.file_offset), extent, buffer)
         window.finish()
-        engine.sync([f])
+        engine.sync(files)
     except BaseException:
         window.abort()
-        f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        for f in files:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(f.path)
         raise
-    f.close()
+    for f in files:
+        f.close()
 
-    name = os.path.basename(path)
-    results = [
-        WriteResult(
-            index=it.write_item.index,
-            size_in_bytes=it.source.nbytes,
-            storage_data=tuple(ItemLocation(name, it.offset, it.source.nbytes, it.crc)),
-        )
-        for it in items
-    ]
-    payload = sum(it.source.nbytes for it in items)
-    return results, FileWritten(name, size, payload, f.direct)
+    results = []
+    written = []
+    for (path, items, size), f in zip(plans, files):
+        name = os.path.basename(path)
+        results += [
+            WriteResult(
+                index=it.write_item.index,
+                size_in_bytes=it.source.nbytes,
+                storage_data=tuple(ItemLocation(name, it.offset, it.source.nbytes, it.crc)),
+            )
+            for it in items
+        ]
+        written.append(FileWritten(name, size, sum(it.source.nbytes for it in items), f.direct))
+    return results, written
 
 
 def _fill(buffer: memoryview, extent: Extent) -> memoryview:

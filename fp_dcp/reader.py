@@ -6,6 +6,7 @@ import dataclasses
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -17,6 +18,7 @@ from .config import IOConfig
 from .engine import IOResources
 from .errors import NotACheckpointError
 from .format import METADATA_NAME, decode_metadata, missing_metadata
+from .placement import locate_files
 from .unpacker import Catalog, read_items
 
 __all__ = ["FastPersistReader", "LoadSummary"]
@@ -50,14 +52,22 @@ class FastPersistReader(StorageReader):
         verify_checksums: check each wholly read item against its stored
             CRC-32C (costs about 0.07 CPU-seconds per GB); a mismatch raises
             ``CorruptCheckpointError`` naming the item and file.
+        data_dirs: the list the checkpoint was saved with, if any (the
+            directories may be mounted elsewhere now, in the same order).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, verify_checksums: bool = True, config: IOConfig | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify_checksums: bool = True,
+        data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+        config: IOConfig | None = None,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
         self.verify_checksums = verify_checksums
         self.config = config if config is not None else IOConfig()
         self.load_id = str(uuid.uuid4())
@@ -87,7 +97,7 @@ class FastPersistReader(StorageReader):
         except FileNotFoundError:
             raise missing_metadata(self.path) from None
         metadata, footer = decode_metadata(data, path)
-        self._catalog = Catalog(metadata, footer["files"])
+        self._catalog = Catalog(metadata, footer, locate_files(self.path, self.data_dirs, footer))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -95,7 +105,7 @@ class FastPersistReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._catalog is None:  # metadata handed over without read_metadata on this instance
-            self._catalog = Catalog(metadata, {})
+            self._catalog = Catalog(metadata, None, {})
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -109,7 +119,7 @@ class FastPersistReader(StorageReader):
         start = time.perf_counter()
         engine, pool = self._io.get()
         nbytes = read_items(
-            self.path, plan.items, planner, self._catalog, engine, pool, self.config, self.verify_checksums
+            plan.items, planner, self._catalog, engine, pool, self.config, self.verify_checksums
         )
         self.last_load = LoadSummary(nbytes, time.perf_counter() - start, engine.describe())
         future: Future[None] = Future()

@@ -14,9 +14,11 @@ as soon as their last bytes are in.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -27,7 +29,7 @@ from .buffers import BufferPool
 from .config import IOConfig
 from .engine import DataFile, Engine, open_file
 from .errors import CorruptCheckpointError
-from .extents import Extent, Piece, Window, plan_extents
+from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation
 from .tensors import ByteSink
 
@@ -40,9 +42,10 @@ _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narro
 class Catalog:
     """What the reader needs from a checkpoint's metadata, indexed for lookup."""
 
-    def __init__(self, metadata: Metadata, file_sizes: dict[str, int]) -> None:
+    def __init__(self, metadata: Metadata, footer: dict[str, Any] | None, paths: dict[str, str]) -> None:
         self.locations = {index: ItemLocation._make(value) for index, value in metadata.storage_data.items()}
-        self.file_sizes = file_sizes
+        self.file_sizes = {name: entry["size"] for name, entry in footer["files"].items()} if footer else {}
+        self.paths = paths
         self.chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
@@ -163,14 +166,16 @@ def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: 
             at += length
 
 
-def _open_all(directory: str, items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
+def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
     files: dict[str, DataFile] = {}
     try:
         for item in items:
             name = item.location.file
             if name in files:
                 continue
-            path = os.path.join(directory, name)
+            path = catalog.paths.get(name)
+            if path is None:
+                raise CorruptCheckpointError(f"the checkpoint footer does not list data file {name}, which holds {item.describe()}")
             try:
                 f = open_file(path, create=False, direct=direct)
             except FileNotFoundError:
@@ -192,7 +197,6 @@ def _open_all(directory: str, items: list[_Item], catalog: Catalog, direct: bool
 
 
 def read_items(
-    directory: str,
     requests: list[ReadItem],
     planner: LoadPlanner,
     catalog: Catalog,
@@ -206,7 +210,7 @@ def read_items(
     for req in requests:
         loc = catalog.location(req)
         by_file[loc.file].append(_Item(req, loc))
-    files = _open_all(directory, [it for items in by_file.values() for it in items], catalog, config.direct_io)
+    files = _open_all([it for items in by_file.values() for it in items], catalog, config.direct_io)
 
     def retire(extent: Extent, buffer: memoryview | None) -> None:
         if extent.direct is not None:
@@ -229,18 +233,21 @@ def read_items(
     total = 0
     window = Window(engine, pool, retire, depth=config.queue_depth + pool.count)
     try:
+        streams = []
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            for extent in plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _HOLE):
-                if extent.direct is not None:
-                    buffer, into = None, extent.memory
-                else:
-                    buffer = window.buffer()
-                    into = buffer[: extent.length]
-                assert into is not None
-                window.push(engine.read(f, into, extent.file_offset), extent, buffer)
-                total += extent.length
+            extents = plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _HOLE)
+            streams.append(zip(itertools.repeat(f), extents))
+        for f, extent in interleave(streams):
+            if extent.direct is not None:
+                buffer, into = None, extent.memory
+            else:
+                buffer = window.buffer()
+                into = buffer[: extent.length]
+            assert into is not None
+            window.push(engine.read(f, into, extent.file_offset), extent, buffer)
+            total += extent.length
         window.finish()
     except BaseException:
         window.abort()

@@ -7,6 +7,7 @@ import os
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -18,8 +19,9 @@ from . import commit
 from .config import IOConfig
 from .engine import IOResources
 from .errors import CheckpointExistsError
-from .format import METADATA_NAME, PAGE, align_up, data_file_name, encode_metadata
-from .packer import write_file
+from .format import METADATA_NAME, PAGE, align_up, data_file_name, encode_metadata, file_index
+from .packer import split_items, write_files
+from .placement import Placement
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
 
@@ -79,16 +81,33 @@ class FastPersistWriter(StorageWriter):
             one stays loadable until the new one is published, and its files
             are removed only then. With False, an existing checkpoint makes
             the save fail before anything is written.
+        data_dirs: directories on separate devices to spread the data files
+            over (see ``fp_dcp.placement``); ``.metadata`` stays in ``path``.
+            Default: everything in ``path``.
+        lanes_per_dir: data files each rank writes into each directory, all
+            written at the same time (more lanes keep more requests in flight
+            per device on striped or networked filesystems).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
 
     One writer runs one save at a time. It keeps its staging buffers and I/O
     engine between saves (reusing warm memory); ``close()`` releases them.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = True, config: IOConfig | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = True,
+        data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+        lanes_per_dir: int = 1,
+        config: IOConfig | None = None,
+    ) -> None:
         super().__init__()
         self.path = checkpoint_directory(path)
         self.overwrite = overwrite
+        self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
+        self.lanes_per_dir = lanes_per_dir
+        self.placement = Placement(self.path, self.data_dirs, lanes_per_dir)
         self.config = config if config is not None else IOConfig()
         self.save_id = str(uuid.uuid4())
         self.rank = 0
@@ -113,7 +132,10 @@ class FastPersistWriter(StorageWriter):
         self.rank = kwargs.get("rank") or 0
         self.is_coordinator = is_coordinator
         self.path = checkpoint_directory(self.path)
+        self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
         os.makedirs(self.path, exist_ok=True)
+        for directory in self.placement.directories:
+            os.makedirs(directory, exist_ok=True)
         if is_coordinator:
             if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_NAME)):
                 raise CheckpointExistsError(f"a checkpoint is already published in {self.path} and overwrite=False")
@@ -133,13 +155,15 @@ class FastPersistWriter(StorageWriter):
             raise RuntimeError("FastPersistWriter.prepare_global_plan did not run for this save (cached plans are not supported)")
         start = time.perf_counter()
         engine, pool = self._io.get()
-        results: list[WriteResult] = []
-        written = []
-        if plan.items:
-            path = os.path.join(self.path, data_file_name(spec.rank, 0, spec.token))
-            results, done = write_file(path, plan.items, planner, engine, pool, self.config)
-            commit.fsync_directory(self.path)
-            written.append(done)
+        groups = split_items(plan.items, self.placement.files_per_rank)
+        targets = [
+            (os.path.join(self.placement.directory_of(k), data_file_name(spec.rank, k, spec.token)), items)
+            for k, items in enumerate(groups)
+            if items
+        ]
+        results, written = write_files(targets, planner, engine, pool, self.config)
+        for directory in {os.path.dirname(path) for path, _ in targets}:
+            commit.fsync_directory(directory)  # the new names are durable before anything refers to them
         self.last_save = SaveSummary(
             bytes=sum(w.payload for w in written),
             seconds=time.perf_counter() - start,
@@ -153,16 +177,19 @@ class FastPersistWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        files: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for file, offset, length, _ in storage_data.values():
-            files[file] = max(files.get(file, 0), align_up(offset + length, PAGE))
+            sizes[file] = max(sizes.get(file, 0), align_up(offset + length, PAGE))
+        files = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         metadata.version = DCP_METADATA_VERSION
-        encoded = encode_metadata(metadata, files, {"save_id": self.save_id})
+        encoded = encode_metadata(metadata, files, {"save_id": self.save_id, **self.placement.footer()})
         try:
             commit.publish(self.path, encoded, self._token)
-            commit.remove_unreferenced(self.path, keep=set(files) | {METADATA_NAME, commit.LOCK_NAME}, replaced=self._replaced)
+            keep = set(files) | {METADATA_NAME, commit.LOCK_NAME}
+            for directory in dict.fromkeys([self.path, *self.placement.directories]):
+                commit.remove_unreferenced(directory, keep, replaced=self._replaced)
         finally:
             self._release_lock()
 

@@ -42,11 +42,8 @@ def test_flipped_bytes_are_detected_and_named(ckpt):
     save(state_of(1.0), ckpt)
     (f,) = data_files(ckpt)
     original = f.read_bytes()
-    from fp_dcp.unpacker import Catalog
-
-    reader = FastPersistReader(ckpt)
-    catalog = Catalog(reader.read_metadata(), {})
-    spans = [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in catalog.locations.items()]
+    storage = FastPersistReader(ckpt).read_metadata().storage_data
+    spans = [(offset, offset + length, index.fqn) for index, (_, offset, length, _) in storage.items()]
     rng = random.Random(0)
     for _ in range(12):
         start, stop, fqn = rng.choice(spans)

@@ -1,0 +1,73 @@
+"""data_dirs and lanes: data files spread over several directories, found again by the reader."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import failure, load, save
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fp_dcp import CorruptCheckpointError, FastPersistReader, NotACheckpointError
+
+
+def state_of(value: float) -> dict:
+    return {f"w{i}": torch.full((100 + i, 64), value + i) for i in range(12)}
+
+
+def assert_loads(path, value, **kwargs) -> None:
+    target = {k: torch.zeros_like(v) for k, v in state_of(0).items()}
+    load(target, path, **kwargs)
+    for k, v in state_of(value).items():
+        assert torch.equal(target[k], v), k
+
+
+def data_files(directory) -> list:
+    return sorted(p.name for p in directory.rglob("*.distcp"))
+
+
+def test_files_are_striped_over_data_dirs_and_lanes(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    writer = save(state_of(1), tmp_path / "step-1", data_dirs=dirs, lanes_per_dir=2)
+    assert len(writer.last_save.files) == 4
+    assert data_files(tmp_path / "step-1") == []  # only .metadata and .lock there
+    (sub0,) = dirs[0].iterdir()
+    (sub1,) = dirs[1].iterdir()
+    assert sub0.name == sub1.name and sub0.name.startswith("step-1-")
+    assert len(data_files(sub0)) == 2 and len(data_files(sub1)) == 2
+    assert_loads(tmp_path / "step-1", 1, data_dirs=dirs)
+
+
+def test_reader_needs_the_data_dirs_and_names_what_is_missing(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    save(state_of(2), tmp_path / "ckpt", data_dirs=dirs)
+    with pytest.raises(NotACheckpointError, match="pass the same list as data_dirs="):
+        FastPersistReader(tmp_path / "ckpt").read_metadata()
+    moved = tmp_path / "mnt" / "nvme1"
+    moved.parent.mkdir()
+    shutil.move(dirs[1], moved)
+    with pytest.raises(CorruptCheckpointError, match=r"data directory .*nvme1 \(data_dirs\[1\]\) is missing"):
+        FastPersistReader(tmp_path / "ckpt", data_dirs=dirs).read_metadata()
+    assert_loads(tmp_path / "ckpt", 2, data_dirs=[dirs[0], moved])  # mounted elsewhere, same order
+    (lost,) = list((moved).rglob("*.distcp"))
+    lost.unlink()
+    with pytest.raises(CheckpointException) as e:
+        assert_loads(tmp_path / "ckpt", 2, data_dirs=[dirs[0], moved])
+    err = failure(e)
+    assert isinstance(err, CorruptCheckpointError) and "missing" in str(err) and lost.name in str(err)
+
+
+def test_checkpoints_sharing_data_dirs_keep_their_own_files(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    save(state_of(1), tmp_path / "step-1", data_dirs=dirs)
+    save(state_of(2), tmp_path / "step-2", data_dirs=dirs)
+    save(state_of(3), tmp_path / "step-1", data_dirs=dirs)  # overwrite step-1 only
+    assert_loads(tmp_path / "step-1", 3, data_dirs=dirs)
+    assert_loads(tmp_path / "step-2", 2, data_dirs=dirs)
+    assert len(data_files(tmp_path / "nvme0")) == 2  # one file per checkpoint: the replaced one is gone
+
+
+def test_duplicate_data_dirs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="twice"):
+        save(state_of(1), tmp_path / "c", data_dirs=[tmp_path / "a", tmp_path / "a"])
