@@ -126,7 +126,7 @@ def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra:
 def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
     if len(data) < _TRAILER.size or data[-8:] != TRAILER_MAGIC:
-        if _is_stock_dcp(data):
+        if is_stock_dcp(data):
             raise IncompatibleCheckpointError(
                 f"{where} belongs to a torch FileSystemWriter checkpoint, not an fp-dcp one: "
                 "load it with torch.distributed.checkpoint.FileSystemReader"
@@ -157,8 +157,10 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     return metadata, footer
 
 
-def _is_stock_dcp(data: bytes) -> bool:
-    """Whether ``data`` is the pickled Metadata of torch's FileSystemWriter (storage entries with a relative_path)."""
+def is_stock_dcp(data: bytes) -> bool:
+    """Whether ``.metadata`` bytes are torch FileSystemWriter's (a pickle whose storage entries have a relative_path)."""
+    if data.endswith(TRAILER_MAGIC):
+        return False
     try:
         metadata = pickle.loads(data)
         return isinstance(metadata, Metadata) and all(hasattr(v, "relative_path") for v in metadata.storage_data.values())

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -17,7 +18,7 @@ from torch.futures import Future
 from .config import IOConfig
 from .engine import IOResources
 from .errors import NotACheckpointError
-from .format import METADATA_NAME, decode_metadata, missing_metadata
+from .format import METADATA_NAME, decode_metadata, is_stock_dcp, missing_metadata
 from .placement import locate_files
 from .unpacker import Catalog, read_items
 
@@ -38,7 +39,7 @@ class LoadSummary:
 
 
 class FastPersistReader(StorageReader):
-    """Loads checkpoints written by ``FastPersistWriter``.
+    """Loads checkpoints written by ``FastPersistWriter``, and torch ``FileSystemWriter``'s too.
 
     Reads only the byte ranges each rank's load plan needs, straight into the
     target tensors where their memory allows, and verifies each item's
@@ -46,6 +47,10 @@ class FastPersistReader(StorageReader):
     ``torch.distributed.checkpoint.load``::
 
         dcp.load(state_dict, storage_reader=FastPersistReader("/nvme/ckpt/step-100"))
+
+    A checkpoint written by torch's ``FileSystemWriter`` is recognised and read
+    through torch's ``FileSystemReader``, so jobs can switch readers before
+    writers.
 
     Args:
         path: checkpoint directory.
@@ -73,6 +78,7 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.last_load: LoadSummary | None = None
         self._catalog: Catalog | None = None
+        self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._io = IOResources(self.config)
 
     # ----------------------------------------------------------- DCP contract
@@ -82,6 +88,7 @@ class FastPersistReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self._catalog = None
+        self._stock = None
 
     # The variadic keyword parameter is deliberately not named ``kwargs``: DCP
     # retries a failed read_metadata with rank=... only for methods whose
@@ -96,16 +103,22 @@ class FastPersistReader(StorageReader):
                 data = f.read()
         except FileNotFoundError:
             raise missing_metadata(self.path) from None
-        metadata, footer = decode_metadata(data, path)
-        self._catalog = Catalog(metadata, footer, locate_files(self.path, self.data_dirs, footer))
+        if is_stock_dcp(data):
+            self._stock = FileSystemReader(self.path)
+            metadata = self._stock.read_metadata()
+        else:
+            metadata, footer = decode_metadata(data, path)
+            self._catalog = Catalog(metadata, footer, locate_files(self.path, self.data_dirs, footer))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._catalog is None:  # metadata handed over without read_metadata on this instance
-            self._catalog = Catalog(metadata, None, {})
+        if self._stock is not None:
+            self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        elif self._catalog is None:
+            raise RuntimeError("FastPersistReader.set_up_storage_reader called before read_metadata")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -114,14 +127,18 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._catalog is None:
-            raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         start = time.perf_counter()
-        engine, pool = self._io.get()
-        nbytes = read_items(
-            plan.items, planner, self._catalog, engine, pool, self.config, self.verify_checksums
-        )
-        self.last_load = LoadSummary(nbytes, time.perf_counter() - start, engine.describe())
+        if self._stock is not None:
+            self._stock.read_data(plan, planner).wait()
+            nbytes = sum(self._stock.storage_data[item.storage_index].length for item in plan.items)
+            engine = "torch FileSystemReader (stock DCP checkpoint)"
+        elif self._catalog is None:
+            raise RuntimeError("FastPersistReader.read_data called before read_metadata")
+        else:
+            io_engine, pool = self._io.get()
+            nbytes = read_items(plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums)
+            engine = io_engine.describe()
+        self.last_load = LoadSummary(nbytes, time.perf_counter() - start, engine)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -132,12 +132,6 @@ def test_reader_on_missing_and_non_checkpoint_directories(tmp_path):
     assert not FastPersistReader.validate_checkpoint_id(tmp_path / "plain")
 
 
-def test_reader_on_a_filesystemwriter_checkpoint(tmp_path):
-    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path))
-    with pytest.raises(IncompatibleCheckpointError, match="FileSystemReader"):
-        FastPersistReader(tmp_path).read_metadata()
-
-
 def rewrite_footer(path, **changes) -> None:
     """Re-encode .metadata's footer with ``changes``, keeping its checksums valid."""
     data = (path / ".metadata").read_bytes()

@@ -178,3 +178,14 @@ def test_load_into_other_dtype_and_noncontiguous_target(ckpt):
     target = {"w": torch.zeros(32, 64, dtype=torch.float64).t()}  # non-contiguous, other dtype
     load(target, ckpt)
     assert torch.equal(target["w"], state["w"].double())
+
+
+def test_reads_torch_filesystemwriter_checkpoints(ckpt):
+    """Switch readers first, writers later: a stock DCP checkpoint loads through FastPersistReader."""
+    state = {"w": torch.randn(64, 33), "b": torch.arange(9), "meta": {"step": 5}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(ckpt))
+    target = {"w": torch.zeros(64, 33), "b": torch.zeros(9, dtype=torch.int64), "meta": {"step": 0}}
+    reader = load(target, ckpt)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert target["meta"]["step"] == 5
+    assert reader.last_load.engine.startswith("torch FileSystemReader")
