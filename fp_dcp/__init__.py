@@ -13,6 +13,7 @@ from . import errors
 from .config import IOConfig
 from .errors import *  # noqa: F403  (the exception types are part of the public API)
 from .info import engine_info
+from .planner import FastPersistSavePlanner
 from .reader import FastPersistReader, LoadSummary
 from .writer import FastPersistWriter, SaveSummary
 
@@ -22,6 +23,7 @@ __all__ = [
     "FastPersistWriter",
     "FastPersistReader",
     "IOConfig",
+    "FastPersistSavePlanner",
     "SaveSummary",
     "LoadSummary",
     "engine_info",

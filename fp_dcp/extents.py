@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 from . import _cio
 from .buffers import BufferPool
 from .engine import Engine, Ticket
+from .format import PAGE
 
 T = TypeVar("T")
 
@@ -66,19 +67,22 @@ def _align_down(n: int, a: int) -> int:
 
 
 def plan_extents(
-    pieces: Iterable[Piece], align: int, capacity: int, direct_min: int, max_gap: int | None
+    pieces: Iterable[Piece], align: int, capacity: int, direct_min: int, max_waste: float | None
 ) -> Iterator[Extent]:
     """Aligned extents covering ``pieces`` (sorted by file offset).
 
-    ``max_gap`` None means writing: pieces never overlap, and the bytes
+    ``max_waste`` None means writing: pieces never overlap, and the bytes
     between them inside an extent are padding (blocks between extents are
-    not written at all). An integer means reading: a hole longer than
-    ``max_gap`` bytes is skipped, and pieces may overlap (the overlapping
-    blocks are then read twice).
+    not written at all). A fraction means reading: a hole between pieces is
+    read through (one request instead of two) only while the holes read so far
+    stay within that fraction of the bytes needed; longer holes are skipped.
+    Pieces may overlap when reading; overlapping blocks are then read twice.
     """
     start = -1  # file offset of the staged extent being filled; -1: none
     end = 0  # end of the data placed in it
     parts: list[Part] = []
+    needed = 0  # bytes of pieces seen so far
+    waste = 0  # hole bytes read through so far
 
     def flush() -> Iterator[Extent]:
         # End at the block holding the last byte placed: what lies beyond, up to the
@@ -89,10 +93,15 @@ def plan_extents(
         start, parts = -1, []
 
     def stage(offset: int, length: int, owner: Any, owner_offset: int) -> Iterator[Extent]:
-        nonlocal start, end
+        nonlocal start, end, waste
         while length:
-            if start >= 0 and max_gap is not None and (offset - end > max_gap or offset < end):
-                yield from flush()
+            if start >= 0 and max_waste is not None:
+                # Blocks already covered by alignment cost nothing to read through.
+                hole = _align_down(offset, align) - -(-end // align) * align
+                if offset < end or (hole > 0 and waste + hole > max_waste * needed):
+                    yield from flush()
+                elif hole > 0:
+                    waste += hole
             if start >= 0 and offset >= start + capacity:
                 yield from flush()
             if start < 0:
@@ -108,6 +117,7 @@ def plan_extents(
 
     for p in pieces:
         offset, length, owner, owner_offset, memory = p
+        needed += length
         if memory is not None and length >= direct_min and (_cio.address(memory) - offset) % align == 0:
             head = -offset % align
             body = _align_down(length - head, align)
@@ -138,10 +148,12 @@ def interleave(streams: list[Iterator[T]]) -> Iterator[T]:
 class Window:
     """Extents in flight, retired oldest first.
 
-    ``retire(extent, buffer)`` runs after an extent's transfer completed (the
-    read pipeline copies out there); a staged extent's buffer then returns to
-    the pool. ``abort`` waits out everything in flight and reclaims buffers,
-    so no transfer can outlive a failed save or load.
+    Staged extents get their memory from ``stage``, which carves it out of one
+    pool buffer after another, so many small extents share a buffer; a buffer
+    returns to the pool once every extent carved from it has retired.
+    ``retire(extent, staged)`` runs after an extent's transfer completed (the
+    read pipeline copies out there). ``abort`` waits out everything in flight
+    and reclaims all buffers, so no transfer can outlive a failed save or load.
     """
 
     def __init__(self, engine: Engine, pool: BufferPool, retire: Callable[[Extent, memoryview | None], None], depth: int) -> None:
@@ -149,35 +161,61 @@ class Window:
         self.pool = pool
         self.retire = retire
         self.depth = depth
-        self.inflight: deque[tuple[Ticket, Extent, memoryview | None]] = deque()
+        self.inflight: deque[tuple[Ticket, Extent, memoryview | None, memoryview | None]] = deque()
+        self.arena: memoryview | None = None  # the pool buffer being carved
+        self.used = 0
+        self.users: dict[int, int] = {}  # id(pool buffer) -> extents in flight carved from it
 
-    def buffer(self) -> memoryview:
+    def stage(self, nbytes: int) -> memoryview:
+        """``nbytes`` (at most a buffer) of page-aligned staging memory for the next ``push``."""
+        start = -(-self.used // PAGE) * PAGE  # every carve page-aligned: files may differ in alignment
+        if self.arena is None or start + nbytes > len(self.arena):
+            self._next_arena()
+            start = 0
+        assert self.arena is not None
+        self.used = start + nbytes
+        return self.arena[start : self.used]
+
+    def _next_arena(self) -> None:
+        old, self.arena = self.arena, None
+        if old is not None and not self.users[id(old)]:
+            self.pool.free.append(old)
         while not self.pool.free:
             self._retire_oldest()
-        return self.pool.free.pop()
+        self.arena = self.pool.free.pop()
+        self.users[id(self.arena)] = 0
+        self.used = 0
 
-    def push(self, ticket: Ticket, extent: Extent, buffer: memoryview | None) -> None:
-        self.inflight.append((ticket, extent, buffer))
+    def push(self, ticket: Ticket, extent: Extent, staged: memoryview | None) -> None:
+        """Track a transfer; ``staged`` is the memory ``stage`` just returned for it, if any."""
+        arena = self.arena if staged is not None else None
+        if arena is not None:
+            self.users[id(arena)] += 1
+        self.inflight.append((ticket, extent, staged, arena))
         while len(self.inflight) > self.depth:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        ticket, extent, buffer = self.inflight[0]
+        ticket, extent, staged, arena = self.inflight[0]
         self.engine.wait(ticket)  # on failure the extent stays for abort() to reclaim
         self.inflight.popleft()
         try:
-            self.retire(extent, buffer)
+            self.retire(extent, staged)
         finally:
-            if buffer is not None:
-                self.pool.free.append(buffer)
+            if arena is not None:
+                self.users[id(arena)] -= 1
+                if not self.users[id(arena)] and arena is not self.arena:
+                    self.pool.free.append(arena)
 
     def finish(self) -> None:
         while self.inflight:
             self._retire_oldest()
+        if self.arena is not None:
+            self.pool.free.append(self.arena)
+            self.arena = None
 
     def abort(self) -> None:
         self.engine.drain()
-        for _, _, buffer in self.inflight:
-            if buffer is not None:
-                self.pool.free.append(buffer)
         self.inflight.clear()
+        self.arena = None
+        self.pool.free[:] = self.pool.views

@@ -19,13 +19,16 @@ A directory without ``.metadata`` is not a checkpoint, whatever else it holds.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 import struct
 import sys
 from typing import Any, NamedTuple
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem
 
 from . import _cio
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
@@ -70,6 +73,17 @@ def parse_data_file_name(name: str) -> tuple[int, int, str] | None:
     """(rank, index, token) for one of our data file names, else None."""
     m = _DATA_FILE.match(name)
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def stored_nbytes(item: WriteItem) -> int | None:
+    """Bytes a tensor WriteItem occupies on disk (its chunk, not the whole tensor); None for byte items.
+
+    DCP's own ``WriteItem.tensor_storage_size`` counts the global tensor, not the chunk.
+    """
+    data = item.tensor_data
+    if data is None:
+        return None
+    return math.prod(data.chunk.sizes) * torch._utils._element_size(data.properties.dtype)
 
 
 def file_index(name: str) -> int:

@@ -27,7 +27,7 @@ from .buffers import BufferPool
 from .config import IOConfig
 from .engine import DataFile, Engine, open_file
 from .extents import Extent, Piece, Window, interleave, plan_extents
-from .format import ItemLocation, layout
+from .format import ItemLocation, layout, stored_nbytes
 from .tensors import ByteSource, check_storable
 
 __all__ = ["FileWritten", "split_items", "write_files"]
@@ -64,7 +64,7 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _I
         raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected a tensor")
     check_storable(data, fqn)
     source = ByteSource(data, slab_bytes)
-    expected = write_item.tensor_storage_size()
+    expected = stored_nbytes(write_item)
     if source.nbytes != expected:
         raise ValueError(f"{fqn!r}: the plan expects {expected} bytes but the tensor holds {source.nbytes}")
     return _Item(write_item, source)
@@ -76,10 +76,10 @@ def split_items(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
         return [list(items)]
     loads = [0] * n
     group_of = {}
-    for i in sorted(range(len(items)), key=lambda i: -(items[i].tensor_storage_size() or 0)):
+    for i in sorted(range(len(items)), key=lambda i: -(stored_nbytes(items[i]) or 0)):
         g = loads.index(min(loads))
         group_of[i] = g
-        loads[g] += items[i].tensor_storage_size() or 0
+        loads[g] += stored_nbytes(items[i]) or 0
     groups: list[list[WriteItem]] = [[] for _ in range(n)]
     for i, item in enumerate(items):
         groups[group_of[i]].append(item)
@@ -140,8 +140,7 @@ def write_files(
                 it.crc = _cio.crc32c(extent.memory, it.crc)
                 buffer, data = None, extent.memory
             else:
-                buffer = _fill(window.buffer(), extent)
-                data = buffer[: extent.length]
+                buffer = data = _fill(window.stage(extent.length), extent)
             window.push(engine.write(f, data, extent.file_offset), extent, buffer)
         window.finish()
         engine.sync(files)

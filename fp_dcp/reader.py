@@ -86,15 +86,16 @@ class FastPersistReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-        self.load_id = str(uuid.uuid4())
-        self._catalog = None
-        self._stock = None
 
     # The variadic keyword parameter is deliberately not named ``kwargs``: DCP
     # retries a failed read_metadata with rank=... only for methods whose
     # signature has one by that name, and fp-dcp writes no per-rank metadata,
     # so the retry would only bury the real error under a second one.
+    # DCP calls reset() only when a checkpoint_id is passed, so every load starts here.
     def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        self.load_id = str(uuid.uuid4())
+        self._catalog = None
+        self._stock = None
         if not os.path.isdir(self.path):
             raise NotACheckpointError(f"{self.path} is not a directory, so not a checkpoint")
         path = os.path.join(self.path, METADATA_NAME)

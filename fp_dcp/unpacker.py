@@ -3,8 +3,8 @@
 Per file, items are visited in storage order. For each, only the byte runs
 its requested region occupies are read: a whole item is one run (and its
 checksum is verified), a slice along the first dimensions is one shorter run,
-other boxes are one run per contiguous row segment; holes of up to
-``_HOLE`` bytes between runs are read through rather than split. Runs go
+other boxes are one run per contiguous row segment; holes between runs are
+read through rather than split while that adds at most 5% to the bytes read. Runs go
 straight into the target tensor where its memory and the file offset are
 co-aligned, else through staging buffers, several extents in flight. Targets
 are resolved lazily, just before their first bytes are read, and committed
@@ -35,7 +35,7 @@ from .tensors import ByteSink
 
 __all__ = ["Catalog", "read_items"]
 
-_HOLE = 256 * 1024  # read through holes up to this size instead of issuing another request
+_MAX_WASTE = 0.05  # read through holes between needed runs while they add at most 5% to the bytes read
 _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
 
 
@@ -237,14 +237,13 @@ def read_items(
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            extents = plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _HOLE)
+            extents = plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
             if extent.direct is not None:
                 buffer, into = None, extent.memory
             else:
-                buffer = window.buffer()
-                into = buffer[: extent.length]
+                buffer = into = window.stage(extent.length)
             assert into is not None
             window.push(engine.read(f, into, extent.file_offset), extent, buffer)
             total += extent.length

@@ -123,10 +123,11 @@ class FastPersistWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = checkpoint_directory(checkpoint_id)
-        self.save_id = str(uuid.uuid4())
-        self._release_lock()  # left over if the previous save failed on some rank
 
+    # DCP calls reset() only when a checkpoint_id is passed, so every save starts here.
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._release_lock()  # left over if the previous save failed on some rank
+        self.save_id = str(uuid.uuid4())
         if not kwargs.get("use_collectives", True):
             raise ValueError("FastPersistWriter needs use_collectives=True: one coordinator publishes the checkpoint")
         self.rank = kwargs.get("rank") or 0

@@ -39,7 +39,7 @@ def test_write_extents_tile_the_file_aligned(seed):
     capacity = align * rng.choice([2, 16, 64])
     covered = [0] * len(pieces)
     previous_end = None
-    for ext in plan_extents(pieces, align, capacity, direct_min=align, max_gap=None):
+    for ext in plan_extents(pieces, align, capacity, direct_min=align, max_waste=None):
         assert ext.file_offset % align == 0 and ext.length % align == 0 and ext.length > 0
         if previous_end is not None:
             assert ext.file_offset >= previous_end  # writes never overlap
@@ -64,12 +64,17 @@ def test_read_extents_skip_holes_and_allow_overlap(seed):
     spans = sorted((rng.randrange(0, 1 << 20), rng.randrange(1, 20000)) for _ in range(rng.randrange(1, 20)))
     pieces = [Piece(start, length, i, 0, None) for i, (start, length) in enumerate(spans)]
     got = {i: 0 for i in range(len(pieces))}
-    for ext in plan_extents(pieces, 512, 1 << 16, 1 << 30, max_gap=4096):
+    read = count = 0
+    for ext in plan_extents(pieces, 512, 1 << 16, 1 << 30, max_waste=0.05):
         assert ext.file_offset % 512 == 0 and ext.length % 512 == 0
+        read += ext.length
+        count += 1
         for owner, owner_offset, buf_offset, length in ext.parts:
             assert ext.file_offset + buf_offset == pieces[owner].file_offset + owner_offset
             got[owner] += length
     assert got == {i: p.length for i, p in enumerate(pieces)}
+    needed = sum(p.length for p in pieces)
+    assert read <= 1.05 * needed + 2 * 512 * count  # holes read through: at most 5%, plus alignment
 
 
 def test_layout_packs_small_items_and_coaligns_large_ones():

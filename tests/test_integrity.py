@@ -10,7 +10,9 @@ import torch
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import CheckpointBusyError, CorruptCheckpointError, FastPersistReader, commit, engine, packer
+import torch.distributed.checkpoint as dcp
+
+from fp_dcp import CheckpointBusyError, CorruptCheckpointError, FastPersistReader, FastPersistWriter, commit, engine, packer
 
 
 def state_of(value: float) -> dict:
@@ -189,3 +191,14 @@ def test_write_items_are_checked_before_any_file_exists(ckpt, monkeypatch):
     with pytest.raises(CheckpointException):
         save({"ok": torch.ones(10), "bad": torch.empty(3, device="meta")}, ckpt)
     assert created == []
+
+
+def test_writer_reused_after_a_failed_save_without_checkpoint_id(ckpt, monkeypatch):
+    """DCP resets a writer only when given a checkpoint_id: a retry must not trip over its own stale lock."""
+    writer = FastPersistWriter(ckpt)
+    monkeypatch.setenv(engine.FAULT_ENV, "1")
+    with pytest.raises(CheckpointException):
+        dcp.save(state_of(1.0), storage_writer=writer)
+    monkeypatch.delenv(engine.FAULT_ENV)
+    dcp.save(state_of(2.0), storage_writer=writer)
+    assert_loads(ckpt, 2.0)
