@@ -29,7 +29,8 @@ __all__ = ["FastPersistReader", "LoadSummary"]
 class LoadSummary:
     """What one rank's part of a load did; ``FastPersistReader.last_load`` after each load."""
 
-    bytes: int  # bytes transferred from the files, holes and padding included
+    bytes: int  # bytes transferred from the files, holes and alignment padding included
+    needed: int  # bytes of the requested regions (read / needed is the read amplification)
     seconds: float  # read_data, from first open to last commit
     engine: str
 
@@ -131,15 +132,15 @@ class FastPersistReader(StorageReader):
         start = time.perf_counter()
         if self._stock is not None:
             self._stock.read_data(plan, planner).wait()
-            nbytes = sum(self._stock.storage_data[item.storage_index].length for item in plan.items)
+            nbytes = needed = sum(self._stock.storage_data[item.storage_index].length for item in plan.items)
             engine = "torch FileSystemReader (stock DCP checkpoint)"
         elif self._catalog is None:
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         else:
             io_engine, pool = self._io.get()
-            nbytes = read_items(plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums)
+            nbytes, needed = read_items(plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums)
             engine = io_engine.describe()
-        self.last_load = LoadSummary(nbytes, time.perf_counter() - start, engine)
+        self.last_load = LoadSummary(nbytes, needed, time.perf_counter() - start, engine)
         future: Future[None] = Future()
         future.set_result(None)
         return future

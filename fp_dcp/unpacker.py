@@ -204,8 +204,8 @@ def read_items(
     pool: BufferPool,
     config: IOConfig,
     verify: bool,
-) -> int:
-    """Read every request into its planner-resolved destination; returns the bytes read."""
+) -> tuple[int, int]:
+    """Read every request into its planner-resolved destination; returns (bytes read, bytes needed)."""
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:
         loc = catalog.location(req)
@@ -230,7 +230,7 @@ def read_items(
         if item.done == item.total:
             _finish(item, planner)
 
-    total = 0
+    read = 0
     window = Window(engine, pool, retire, depth=config.queue_depth + pool.count)
     try:
         streams = []
@@ -246,7 +246,7 @@ def read_items(
                 buffer = into = window.stage(extent.length)
             assert into is not None
             window.push(engine.read(f, into, extent.file_offset), extent, buffer)
-            total += extent.length
+            read += extent.length
         window.finish()
     except BaseException:
         window.abort()
@@ -254,4 +254,5 @@ def read_items(
     finally:
         for f in files.values():
             f.close()
-    return total
+    needed = sum(it.total for items in by_file.values() for it in items)
+    return read, needed

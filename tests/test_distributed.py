@@ -55,6 +55,7 @@ def _load(rank: int, world: int, path: str, mesh_shape: tuple, placements: dict,
     reader = FastPersistReader(path, **extra)
     dcp.load(state, storage_reader=reader)
     needed = sum(v.to_local().nbytes for v in state.values())
+    assert reader.last_load.needed == needed
     return {"bad": full_equal(state), "read": reader.last_load.bytes, "needed": needed}
 
 
