@@ -28,6 +28,7 @@ from .config import IOConfig
 from .engine import DataFile, Engine, open_file
 from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation, layout, stored_nbytes
+from .planner import deal
 from .tensors import ByteSource, check_storable
 
 __all__ = ["FileWritten", "split_items", "write_files"]
@@ -71,18 +72,11 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _I
 
 
 def split_items(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Deal items into ``n`` groups of near-equal bytes (largest first into the lightest), keeping plan order within each."""
-    if n == 1:
-        return [list(items)]
-    loads = [0] * n
-    group_of = {}
-    for i in sorted(range(len(items)), key=lambda i: -(stored_nbytes(items[i]) or 0)):
-        g = loads.index(min(loads))
-        group_of[i] = g
-        loads[g] += stored_nbytes(items[i]) or 0
+    """Deal items into ``n`` groups of near-equal bytes, keeping plan order within each."""
+    owners, _ = deal([stored_nbytes(item) or 0 for item in items], [range(n)] * len(items), n)
     groups: list[list[WriteItem]] = [[] for _ in range(n)]
-    for i, item in enumerate(items):
-        groups[group_of[i]].append(item)
+    for item, group in zip(items, owners):
+        groups[group].append(item)
     return groups
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .format import stored_nbytes
 
-__all__ = ["FastPersistSavePlanner", "balance"]
+__all__ = ["FastPersistSavePlanner", "balance", "deal"]
 
 log = logging.getLogger("fp_dcp")
 
@@ -43,28 +44,33 @@ def _replicated(obj: Any) -> bool:
     return isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter)
 
 
-def balance(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int]]:
-    """Keep each item in exactly one plan, evening out bytes: returns the plans and bytes per plan.
+def deal(sizes: Sequence[int], candidates: Sequence[Sequence[int]], bins: int) -> tuple[list[int], list[int]]:
+    """Give item ``i`` (of ``sizes[i]`` bytes) to one of the bins ``candidates[i]``, evening out the bytes.
 
-    Items held by one plan stay there; an item several plans hold goes to the
-    least loaded of them, largest items first (longest-processing-time rule).
+    Items with a single candidate go first, where they must; then the rest,
+    largest first, each to its least loaded candidate (the longest-processing-
+    time rule). Returns the bin of each item and the bytes per bin.
     """
+    load = [0] * bins
+    owner = [0] * len(sizes)
+    order = sorted(range(len(sizes)), key=lambda i: (len(candidates[i]) > 1, -sizes[i]))
+    for i in order:
+        owner[i] = min(candidates[i], key=lambda b: (load[b], b))
+        load[owner[i]] += sizes[i]
+    return owner, load
+
+
+def balance(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int]]:
+    """Keep each item in exactly one of the plans holding it, evening out bytes; returns the plans and bytes per plan."""
     holders: dict[MetadataIndex, list[int]] = {}
     sizes: dict[MetadataIndex, int] = {}
     for rank, plan in enumerate(plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(rank)
             sizes[item.index] = stored_nbytes(item) or 1  # byte items: small, unknown size
-    load = [0] * len(plans)
-    owner: dict[MetadataIndex, int] = {}
-    for index, ranks in holders.items():
-        if len(ranks) == 1:
-            owner[index] = ranks[0]
-            load[ranks[0]] += sizes[index]
-    for index in sorted((i for i, r in holders.items() if len(r) > 1), key=lambda i: -sizes[i]):
-        rank = min(holders[index], key=lambda r: (load[r], r))
-        owner[index] = rank
-        load[rank] += sizes[index]
+    indices = list(holders)
+    owners, load = deal([sizes[i] for i in indices], [holders[i] for i in indices], len(plans))
+    owner = dict(zip(indices, owners))
     balanced = [
         dataclasses.replace(plan, items=[item for item in plan.items if owner[item.index] == rank])
         for rank, plan in enumerate(plans)
