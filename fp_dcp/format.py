@@ -83,7 +83,7 @@ def stored_nbytes(item: WriteItem) -> int | None:
     data = item.tensor_data
     if data is None:
         return None
-    return math.prod(data.chunk.sizes) * torch._utils._element_size(data.properties.dtype)
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 def file_index(name: str) -> int:

@@ -119,7 +119,7 @@ def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) 
         if key not in catalog.chunks:
             raise CorruptCheckpointError(f"the checkpoint metadata describes no chunk for {item.describe()}")
         sizes, dtype = catalog.chunks[key]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if math.prod(sizes) * itemsize != loc.length:
             raise CorruptCheckpointError(f"stored length {loc.length} does not match shape {list(sizes)} of {dtype} for {item.describe()}")
         target = planner.resolve_tensor(req).detach()
@@ -168,6 +168,7 @@ def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: 
 
 def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
     files: dict[str, DataFile] = {}
+    sizes: dict[str, int] = {}
     try:
         for item in items:
             name = item.location.file
@@ -181,13 +182,14 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
             files[name] = f
-            size = os.fstat(f.fd).st_size
+            sizes[name] = os.fstat(f.fd).st_size
             expected = catalog.file_sizes.get(name)
-            if expected is not None and size < expected:
-                raise CorruptCheckpointError(f"data file {path} is truncated: {size} bytes, written as {expected}; it holds {item.describe()}")
+            if expected is not None and sizes[name] < expected:
+                raise CorruptCheckpointError(
+                    f"data file {path} is truncated: {sizes[name]} bytes, written as {expected}; it holds {item.describe()}"
+                )
         for item in items:
-            end = item.location.offset + item.location.length
-            if os.fstat(files[item.location.file].fd).st_size < end:
+            if sizes[item.location.file] < item.location.offset + item.location.length:
                 raise CorruptCheckpointError(f"data file {item.location.file} ends before the end of {item.describe()}")
     except BaseException:
         for f in files.values():
