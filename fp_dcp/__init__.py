@@ -1,5 +1,7 @@
 """fp-dcp: FastPersist-style storage for torch.distributed.checkpoint.
 
+Use it as DCP's storage layer::
+
     import torch.distributed.checkpoint as dcp
     from fp_dcp import FastPersistWriter, FastPersistReader
 

@@ -32,7 +32,7 @@ class BufferPool:
     def close(self) -> None:
         """Unmap the buffers now; one still referenced elsewhere is unmapped when that goes."""
         self.free.clear()
-        for view, m in zip(self.views, self.maps):
+        for view, m in zip(self.views, self.maps, strict=True):
             with contextlib.suppress(BufferError):
                 view.release()
                 m.close()

@@ -172,7 +172,9 @@ class Engine(ABC):
             self._requests += 1
             block = view[start : start + step]
             if self._requests == self.fault_at:
-                ticket.fail(_io_error(errno_mod.EIO, "injected fault in request", len(block), offset + start, file.path))
+                ticket.fail(
+                    _io_error(errno_mod.EIO, "injected fault in request", len(block), offset + start, file.path)
+                )
                 continue
             self._queue(ticket, is_write, file, block, offset + start)
         self._kick()
@@ -181,7 +183,7 @@ class Engine(ABC):
     @abstractmethod
     def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None: ...
 
-    def _kick(self) -> None:
+    def _kick(self) -> None:  # noqa: B027 (optional hook: engines that queue in the kernel need none)
         """Hand queued requests to the kernel without waiting."""
 
     @abstractmethod
@@ -196,7 +198,7 @@ class Engine(ABC):
     def drain(self) -> None:
         """Wait for every request in flight, ignoring errors (failure paths)."""
 
-    def register_buffers(self, buffers: Sequence[memoryview]) -> None:
+    def register_buffers(self, buffers: Sequence[memoryview]) -> None:  # noqa: B027 (optional hook)
         """Tell the engine which buffers will be used again and again."""
 
     @abstractmethod

@@ -28,7 +28,7 @@ from .format import PAGE
 
 T = TypeVar("T")
 
-__all__ = ["Piece", "Part", "Extent", "plan_extents", "interleave", "Window"]
+__all__ = ["Piece", "Part", "Direct", "Extent", "plan_extents", "interleave", "Window"]
 
 
 class Piece(NamedTuple):
@@ -54,12 +54,19 @@ class Part(NamedTuple):
     length: int
 
 
+class Direct(NamedTuple):
+    """An item run moved in place: bytes from ``owner_offset`` of ``owner``, whose memory is ``memory``."""
+
+    owner: Any
+    owner_offset: int
+    memory: memoryview
+
+
 class Extent(NamedTuple):
     file_offset: int
     length: int
     parts: list[Part]  # staged extents: what the buffer holds
-    direct: Part | None  # direct extents: the item run moved in place
-    memory: memoryview | None  # direct extents: that run's memory
+    direct: Direct | None  # direct extents: the run moved in place
 
 
 def _align_down(n: int, a: int) -> int:
@@ -89,7 +96,7 @@ def plan_extents(
         # next extent, is left alone (zeros from preallocation when writing).
         nonlocal start, parts
         if parts:
-            yield Extent(start, -(-end // align) * align - start, parts, None, None)
+            yield Extent(start, -(-end // align) * align - start, parts, None)
         start, parts = -1, []
 
     def stage(offset: int, length: int, owner: Any, owner_offset: int) -> Iterator[Extent]:
@@ -124,14 +131,13 @@ def plan_extents(
             if body >= direct_min:
                 yield from stage(offset, head, owner, owner_offset)
                 yield from flush()
-                run = Part(owner, owner_offset + head, 0, body)
-                yield Extent(offset + head, body, [], run, memory[head : head + body])
+                yield Extent(offset + head, body, [], Direct(owner, owner_offset + head, memory[head : head + body]))
                 offset, length, owner_offset = offset + head + body, length - head - body, owner_offset + head + body
         yield from stage(offset, length, owner, owner_offset)
     yield from flush()
 
 
-def interleave(streams: list[Iterator[T]]) -> Iterator[T]:
+def interleave(streams: Iterable[Iterator[T]]) -> Iterator[T]:
     """Items of several iterators in turn, one from each, until all are exhausted.
 
     Files on different devices then have transfers in flight at the same time.
@@ -156,7 +162,9 @@ class Window:
     and reclaims all buffers, so no transfer can outlive a failed save or load.
     """
 
-    def __init__(self, engine: Engine, pool: BufferPool, retire: Callable[[Extent, memoryview | None], None], depth: int) -> None:
+    def __init__(
+        self, engine: Engine, pool: BufferPool, retire: Callable[[Extent, memoryview | None], None], depth: int
+    ) -> None:
         self.engine = engine
         self.pool = pool
         self.retire = retire

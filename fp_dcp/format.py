@@ -26,7 +26,6 @@ import struct
 import sys
 from typing import Any, NamedTuple
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
@@ -161,7 +160,9 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
             f"versions up to {FORMAT_VERSION}: upgrade fp-dcp"
         )
     if footer["byteorder"] != sys.byteorder:
-        raise IncompatibleCheckpointError(f"{where} holds {footer['byteorder']}-endian data; this host is {sys.byteorder}-endian")
+        raise IncompatibleCheckpointError(
+            f"{where} holds {footer['byteorder']}-endian data; this host is {sys.byteorder}-endian"
+        )
     body = data[: footer["pickle_length"]]
     if footer["pickle_length"] != footer_end - footer_len or _cio.crc32c(body) != footer["pickle_crc32c"]:
         raise CorruptCheckpointError(f"{where}: metadata pickle fails its checksum")
@@ -172,18 +173,19 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
 
 
 def is_stock_dcp(data: bytes) -> bool:
-    """Whether ``.metadata`` bytes are torch FileSystemWriter's (a pickle whose storage entries have a relative_path)."""
+    """Whether ``.metadata`` bytes are torch FileSystemWriter's: a pickle whose storage entries have a relative_path."""
     if data.endswith(TRAILER_MAGIC):
         return False
     try:
         metadata = pickle.loads(data)
-        return isinstance(metadata, Metadata) and all(hasattr(v, "relative_path") for v in metadata.storage_data.values())
+        return isinstance(metadata, Metadata) and all(
+            hasattr(v, "relative_path") for v in metadata.storage_data.values()
+        )
     except Exception:
         return False
 
 
 def missing_metadata(directory: str) -> NotACheckpointError:
     return NotACheckpointError(
-        f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save "
-        "that never completed)"
+        f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
     )

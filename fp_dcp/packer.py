@@ -131,8 +131,8 @@ def write_files(
         for f, extent in interleave(streams):
             if extent.direct:
                 it = extent.direct.owner
-                it.crc = _cio.crc32c(extent.memory, it.crc)
-                buffer, data = None, extent.memory
+                it.crc = _cio.crc32c(extent.direct.memory, it.crc)
+                buffer, data = None, extent.direct.memory
             else:
                 buffer = data = _fill(window.stage(extent.length), extent)
             window.push(engine.write(f, data, extent.file_offset), extent, buffer)

@@ -31,7 +31,9 @@ def _subdir(checkpoint: str) -> str:
 class Placement:
     """The writer's view: which directory file ``k`` of a rank goes to."""
 
-    def __init__(self, checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, lanes_per_dir: int = 1) -> None:
+    def __init__(
+        self, checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, lanes_per_dir: int = 1
+    ) -> None:
         if lanes_per_dir < 1:
             raise ValueError(f"lanes_per_dir must be at least 1, got {lanes_per_dir}")
         self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
@@ -52,7 +54,9 @@ class Placement:
         return {"data_dirs": self.data_dirs, "data_subdir": self.subdir}
 
 
-def locate_files(checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, footer: dict[str, Any]) -> dict[str, str]:
+def locate_files(
+    checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, footer: dict[str, Any]
+) -> dict[str, str]:
     """Full path of every data file a checkpoint's footer lists, using the reader's ``data_dirs``."""
     dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
     paths = {}
@@ -68,6 +72,8 @@ def locate_files(checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | 
                 + (f" (got {dirs})" if dirs else "")
             )
         if not os.path.isdir(dirs[index]):
-            raise CorruptCheckpointError(f"data directory {dirs[index]} (data_dirs[{index}]) is missing; it holds {name}")
+            raise CorruptCheckpointError(
+                f"data directory {dirs[index]} (data_dirs[{index}]) is missing; it holds {name}"
+            )
         paths[name] = os.path.join(dirs[index], footer["data_subdir"], name)
     return paths

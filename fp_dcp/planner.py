@@ -61,7 +61,10 @@ def deal(sizes: Sequence[int], candidates: Sequence[Sequence[int]], bins: int) -
 
 
 def balance(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int]]:
-    """Keep each item in exactly one of the plans holding it, evening out bytes; returns the plans and bytes per plan."""
+    """Keep each item in exactly one of the plans holding it, evening out bytes.
+
+    Returns the plans and the bytes per plan.
+    """
     holders: dict[MetadataIndex, list[int]] = {}
     sizes: dict[MetadataIndex, int] = {}
     for rank, plan in enumerate(plans):
@@ -70,7 +73,7 @@ def balance(plans: list[SavePlan]) -> tuple[list[SavePlan], list[int]]:
             sizes[item.index] = stored_nbytes(item) or 1  # byte items: small, unknown size
     indices = list(holders)
     owners, load = deal([sizes[i] for i in indices], [holders[i] for i in indices], len(plans))
-    owner = dict(zip(indices, owners))
+    owner = dict(zip(indices, owners, strict=True))
     balanced = [
         dataclasses.replace(plan, items=[item for item in plan.items if owner[item.index] == rank])
         for rank, plan in enumerate(plans)

@@ -138,7 +138,9 @@ class FastPersistReader(StorageReader):
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         else:
             io_engine, pool = self._io.get()
-            nbytes, needed = read_items(plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums)
+            nbytes, needed = read_items(
+                plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums
+            )
             engine = io_engine.describe()
         self.last_load = LoadSummary(nbytes, needed, time.perf_counter() - start, engine)
         future: Future[None] = Future()

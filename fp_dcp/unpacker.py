@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,7 +57,9 @@ class Catalog:
         try:
             return self.locations[req.storage_index]
         except KeyError:
-            raise CorruptCheckpointError(f"the checkpoint metadata has no stored bytes for {req.storage_index}") from None
+            raise CorruptCheckpointError(
+                f"the checkpoint metadata has no stored bytes for {req.storage_index}"
+            ) from None
 
 
 def byte_runs(sizes: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int) -> list[tuple[int, int]]:
@@ -105,7 +108,8 @@ class _Item:
     def describe(self) -> str:
         index = self.req.storage_index
         where = f" (chunk at {list(index.offset)})" if index.offset is not None else ""
-        return f"{index.fqn!r}{where} in {self.location.file} bytes {self.location.offset}..{self.location.offset + self.location.length}"
+        loc = self.location
+        return f"{index.fqn!r}{where} in {loc.file} bytes {loc.offset}..{loc.offset + loc.length}"
 
 
 def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) -> None:
@@ -115,16 +119,21 @@ def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) 
         item.sink = memoryview(bytearray(loc.length))
         item.runs = [(0, loc.length)] if loc.length else []
     else:
-        key = (req.storage_index.fqn, tuple(req.storage_index.offset))
+        key = (req.storage_index.fqn, tuple(req.storage_index.offset or ()))
         if key not in catalog.chunks:
             raise CorruptCheckpointError(f"the checkpoint metadata describes no chunk for {item.describe()}")
         sizes, dtype = catalog.chunks[key]
         itemsize = dtype.itemsize
         if math.prod(sizes) * itemsize != loc.length:
-            raise CorruptCheckpointError(f"stored length {loc.length} does not match shape {list(sizes)} of {dtype} for {item.describe()}")
+            raise CorruptCheckpointError(
+                f"stored length {loc.length} does not match shape {list(sizes)} of {dtype} for {item.describe()}"
+            )
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths):
-            raise ValueError(f"target for {item.describe()} has shape {list(target.shape)}, the checkpoint region is {list(req.lengths)}")
+            raise ValueError(
+                f"target for {item.describe()} has shape {list(target.shape)}, "
+                f"the checkpoint region is {list(req.lengths)}"
+            )
         runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
         if runs or 0 in req.lengths:
             item.sink = ByteSink(target, dtype, req.lengths)
@@ -153,7 +162,7 @@ def _sink_memory(item: _Item) -> memoryview:
     return sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
 
 
-def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: bool):
+def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: bool) -> Iterator[Piece]:
     for item in items:
         _prepare(item, planner, catalog, verify)
         if not item.total:
@@ -176,7 +185,9 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
                 continue
             path = catalog.paths.get(name)
             if path is None:
-                raise CorruptCheckpointError(f"the checkpoint footer does not list data file {name}, which holds {item.describe()}")
+                raise CorruptCheckpointError(
+                    f"the checkpoint footer does not list data file {name}, which holds {item.describe()}"
+                )
             try:
                 f = open_file(path, create=False, direct=direct)
             except FileNotFoundError:
@@ -186,7 +197,8 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
             expected = catalog.file_sizes.get(name)
             if expected is not None and sizes[name] < expected:
                 raise CorruptCheckpointError(
-                    f"data file {path} is truncated: {sizes[name]} bytes, written as {expected}; it holds {item.describe()}"
+                    f"data file {path} is truncated: {sizes[name]} bytes, written as {expected}; "
+                    f"it holds {item.describe()}"
                 )
         for item in items:
             if sizes[item.location.file] < item.location.offset + item.location.length:
@@ -218,8 +230,8 @@ def read_items(
         if extent.direct is not None:
             item = extent.direct.owner
             if item.verify:
-                item.crc = _cio.crc32c(extent.memory, item.crc)
-            _advance(item, extent.direct.length)
+                item.crc = _cio.crc32c(extent.direct.memory, item.crc)
+            _advance(item, extent.length)
             return
         assert buffer is not None
         for owner, owner_offset, buf_offset, length in extent.parts:
@@ -239,14 +251,16 @@ def read_items(
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            extents = plan_extents(_pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _MAX_WASTE)
+            extents = plan_extents(
+                _pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _MAX_WASTE
+            )
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
+            buffer: memoryview | None
             if extent.direct is not None:
-                buffer, into = None, extent.memory
+                buffer, into = None, extent.direct.memory
             else:
                 buffer = into = window.stage(extent.length)
-            assert into is not None
             window.push(engine.read(f, into, extent.file_offset), extent, buffer)
             read += extent.length
         window.finish()

@@ -45,8 +45,8 @@ def test_write_extents_tile_the_file_aligned(seed):
             assert ext.file_offset >= previous_end  # writes never overlap
         previous_end = ext.file_offset + ext.length
         if ext.direct is not None:
-            assert (_cio.address(ext.memory) - ext.file_offset) % align == 0
-            assert len(ext.memory) == ext.length
+            assert (_cio.address(ext.direct.memory) - ext.file_offset) % align == 0
+            assert len(ext.direct.memory) == ext.length
             covered[ext.direct.owner] += ext.length
         else:
             assert ext.length <= capacity
