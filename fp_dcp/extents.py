@@ -25,6 +25,7 @@ from . import _cio
 from .buffers import BufferPool
 from .engine import Engine, Ticket
 from .format import PAGE
+from .progress import Progress
 
 T = TypeVar("T")
 
@@ -158,17 +159,23 @@ class Window:
     pool buffer after another, so many small extents share a buffer; a buffer
     returns to the pool once every extent carved from it has retired.
     ``retire(extent, staged)`` runs after an extent's transfer completed (the
-    read pipeline copies out there). ``abort`` waits out everything in flight
+    read pipeline copies out there); ``progress`` counts the bytes moved. ``abort`` waits out everything in flight
     and reclaims all buffers, so no transfer can outlive a failed save or load.
     """
 
     def __init__(
-        self, engine: Engine, pool: BufferPool, retire: Callable[[Extent, memoryview | None], None], depth: int
+        self,
+        engine: Engine,
+        pool: BufferPool,
+        retire: Callable[[Extent, memoryview | None], None],
+        depth: int,
+        progress: Progress,
     ) -> None:
         self.engine = engine
         self.pool = pool
         self.retire = retire
         self.depth = depth
+        self.progress = progress
         self.inflight: deque[tuple[Ticket, Extent, memoryview | None, memoryview | None]] = deque()
         self.arena: memoryview | None = None  # the pool buffer being carved
         self.used = 0
@@ -207,6 +214,7 @@ class Window:
         ticket, extent, staged, arena = self.inflight[0]
         self.engine.wait(ticket)  # on failure the extent stays for abort() to reclaim
         self.inflight.popleft()
+        self.progress.advance(extent.length)
         try:
             self.retire(extent, staged)
         finally:
@@ -218,6 +226,7 @@ class Window:
     def finish(self) -> None:
         while self.inflight:
             self._retire_oldest()
+        self.progress.finish()
         if self.arena is not None:
             self.pool.free.append(self.arena)
             self.arena = None

@@ -29,6 +29,7 @@ from .engine import DataFile, Engine, open_file
 from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation, layout, stored_nbytes
 from .planner import deal
+from .progress import Progress
 from .tensors import ByteSource, check_storable
 
 __all__ = ["FileWritten", "split_items", "write_files"]
@@ -119,7 +120,8 @@ def write_files(
         plans.append((path, items, size))
 
     files: list[DataFile] = []
-    window = Window(engine, pool, lambda extent, buffer: None, depth=config.queue_depth + pool.count)
+    progress = Progress("save", sum(size for _, _, size in plans))
+    window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
     try:
         streams = []
         for path, items, size in plans:

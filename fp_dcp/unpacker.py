@@ -32,6 +32,7 @@ from .engine import DataFile, Engine, open_file
 from .errors import CorruptCheckpointError
 from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation
+from .progress import Progress
 from .tensors import ByteSink
 
 __all__ = ["Catalog", "read_items"]
@@ -245,7 +246,8 @@ def read_items(
             _finish(item, planner)
 
     read = 0
-    window = Window(engine, pool, retire, depth=config.queue_depth + pool.count)
+    progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
+    window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
     try:
         streams = []
         for name, items in by_file.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -189,3 +190,16 @@ def test_reads_torch_filesystemwriter_checkpoints(ckpt):
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     assert target["meta"]["step"] == 5
     assert reader.last_load.engine.startswith("torch FileSystemReader")
+
+
+def test_progress_is_logged_when_asked_for(ckpt, caplog):
+    state = {"w": torch.randn(500, 500)}
+    with caplog.at_level(logging.INFO, logger="fp_dcp"):
+        save(state, ckpt)
+        load({"w": torch.zeros(500, 500)}, ckpt)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp_dcp"]
+    assert any(line.startswith("fp-dcp save: ") and "GB/s" in line for line in lines)
+    assert any(line.startswith("fp-dcp load: ") and "ETA" in line for line in lines)
+    caplog.clear()
+    save(state, ckpt)  # default level: quiet
+    assert not [r for r in caplog.records if r.name == "fp_dcp"]
