@@ -9,7 +9,8 @@ fp32 norms, scalars and a pickled object) with each method in turn, A B C A B C
 machine. The disk's raw limit is ``dd if=/dev/zero oflag=direct bs=16M
 conv=fsync`` of the same size in the same directory. Reported per method:
 median GB/s, CPU-seconds per GB (user + system, all threads), the growth of
-resident memory during the save (over the state dict already held), and load GB/s with the checkpoint's pages evicted from the page
+resident memory during the save (over the state dict already held), and load
+GB/s with the checkpoint's pages evicted from the page
 cache first (posix_fadvise DONTNEED per file, plus drop_caches when root).
 """
 
@@ -59,8 +60,15 @@ def llm_state_dict(total_bytes: int, seed: int = 0) -> dict[str, Any]:
     layer = 0
     while used < total_bytes:
         p = f"model.layers.{layer}."
-        shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h), "self_attn.o_proj": (h, h),
-                  "mlp.gate_proj": (ffn, h), "mlp.up_proj": (ffn, h), "mlp.down_proj": (h, ffn)}
+        shapes = {
+            "self_attn.q_proj": (h, h),
+            "self_attn.k_proj": (h, h),
+            "self_attn.v_proj": (h, h),
+            "self_attn.o_proj": (h, h),
+            "mlp.gate_proj": (ffn, h),
+            "mlp.up_proj": (ffn, h),
+            "mlp.down_proj": (h, ffn),
+        }
         for name, shape in shapes.items():
             if used >= total_bytes:
                 break
@@ -131,7 +139,11 @@ def evict(path: str) -> None:
 
 class Method:
     def __init__(
-        self, name: str, save: Callable[[str], None], load: Callable[[str], None] | None, check: Callable[[], None] | None = None
+        self,
+        name: str,
+        save: Callable[[str], None],
+        load: Callable[[str], None] | None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.save = save
@@ -151,7 +163,9 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def build_methods(sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str) -> list[Method]:
+def build_methods(
+    sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str
+) -> list[Method]:
     writer = FastPersistWriter(workdir)  # reused across saves, as in a training loop
     reader = FastPersistReader(workdir)
 
@@ -185,7 +199,8 @@ def build_methods(sd: dict[str, Any], size: int, target: dict[str, Any], threads
         blocks = -(-size // (16 * MiB))
         subprocess.run(
             ["dd", "if=/dev/zero", f"of={path}", "oflag=direct", "bs=16M", f"count={blocks}", "conv=fsync"],
-            check=True, capture_output=True,
+            check=True,
+            capture_output=True,
         )
 
     methods = [Method("fp-dcp", fp_save, fp_load, check=fp_check)]
@@ -222,7 +237,9 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
                     if m.check is not None:
                         m.check()
                 shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-                print(f"  run {rep + 1}/{repeats} {m.name:<22} {m.save_gbps[-1]:6.2f} GB/s", file=sys.stderr, flush=True)
+                print(
+                    f"  run {rep + 1}/{repeats} {m.name:<22} {m.save_gbps[-1]:6.2f} GB/s", file=sys.stderr, flush=True
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return report(methods, size, directory)
@@ -240,18 +257,19 @@ def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
         }
         for m in methods
     }
-    fp, dd = rows["fp-dcp"], rows["dd oflag=direct"]
-    fs_names = [n for n in rows if n.startswith("FileSystemWriter")]
-    fs1 = rows[fs_names[0]]
-    fs_best = max((rows[n] for n in fs_names), key=lambda r: r["save_gbps"])
+    by_name = {m.name: m for m in methods}
+    fp, dd, torch_save = by_name["fp-dcp"], by_name["dd oflag=direct"], by_name["torch.save"]
+    stock = [m for m in methods if m.name.startswith("FileSystemWriter")]
+    fs1 = stock[0]
+    fs_best = max(stock, key=lambda m: med(m.save_gbps))
     ratios = {
-        "save_vs_dd": fp["save_gbps"] / dd["save_gbps"],
-        "save_vs_filesystemwriter_t1": fp["save_gbps"] / fs1["save_gbps"],
-        "save_vs_filesystemwriter_best": fp["save_gbps"] / fs_best["save_gbps"],
-        "save_vs_torch_save": fp["save_gbps"] / rows["torch.save"]["save_gbps"],
-        "cpu_vs_filesystemwriter_t1": fp["cpu_s_per_gb"] / fs1["cpu_s_per_gb"],
-        "load_vs_filesystemreader": fp["load_gbps"] / fs1["load_gbps"],
-        "peak_rss_growth_mib": fp["peak_rss_growth_mib"],
+        "save_vs_dd": med(fp.save_gbps) / med(dd.save_gbps),
+        "save_vs_filesystemwriter_t1": med(fp.save_gbps) / med(fs1.save_gbps),
+        "save_vs_filesystemwriter_best": med(fp.save_gbps) / med(fs_best.save_gbps),
+        "save_vs_torch_save": med(fp.save_gbps) / med(torch_save.save_gbps),
+        "cpu_vs_filesystemwriter_t1": med(fp.cpu_per_gb) / med(fs1.cpu_per_gb),
+        "load_vs_filesystemreader": med(fp.load_gbps) / med(fs1.load_gbps),
+        "peak_rss_growth_mib": max(fp.peak_rss) / MiB,
     }
     bars = {
         "save >= 0.85 x dd": ratios["save_vs_dd"] >= 0.85,
@@ -280,40 +298,59 @@ def _filesystem(directory: str) -> str:
 
 def print_report(r: dict[str, Any], repeats: int) -> None:
     e = r["engine"]
-    print(f"\nfp-dcp benchmark: {r['state_dict_bytes'] / GB:.2f} GB LLM-shaped state dict, {r['directory_fs']} directory, "
-          f"{r['cpus']} CPUs, median of {repeats} runs, every save fsynced")
-    print(f"engine: {e['engine']}{' (' + e['fallback_reason'] + ')' if e['fallback_reason'] else ''}, "
-          f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}")
+    print(
+        f"\nfp-dcp benchmark: {r['state_dict_bytes'] / GB:.2f} GB LLM-shaped state dict, "
+        f"{r['directory_fs']} directory, "
+        f"{r['cpus']} CPUs, median of {repeats} runs, every save fsynced"
+    )
+    print(
+        f"engine: {e['engine']}{' (' + e['fallback_reason'] + ')' if e['fallback_reason'] else ''}, "
+        f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}"
+    )
     print(f"loads read cold: {r['cache_eviction']}\n")
     print(f"{'method':<24}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}")
     for name, row in r["methods"].items():
         load = f"{row['load_gbps']:.2f}" if row["load_gbps"] is not None else "-"
-        print(f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}{load:>11}")
+        print(
+            f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}{load:>11}"
+        )
     q = r["ratios"]
-    print(f"\nfp-dcp save = {q['save_vs_dd']:.2f} x dd, {q['save_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1, "
-          f"{q['save_vs_filesystemwriter_best']:.2f} x its best thread count, {q['save_vs_torch_save']:.2f} x torch.save")
-    print(f"fp-dcp CPU-s/GB = {q['cpu_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1; "
-          f"load = {q['load_vs_filesystemreader']:.2f} x FileSystemReader; "
-          f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB")
+    print(
+        f"\nfp-dcp save = {q['save_vs_dd']:.2f} x dd, {q['save_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1, "
+        f"{q['save_vs_filesystemwriter_best']:.2f} x its best thread count, {q['save_vs_torch_save']:.2f} x torch.save"
+    )
+    print(
+        f"fp-dcp CPU-s/GB = {q['cpu_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1; "
+        f"load = {q['load_vs_filesystemreader']:.2f} x FileSystemReader; "
+        f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB"
+    )
     print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds)")
     for bar, ok in r["bars"].items():
         print(f"  [{'ok' if ok else 'MISSED'}] {bar}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fp_dcp.bench", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m fp_dcp.bench") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="state dict size in GB (default 2)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory to write in (default: the temp dir)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each method, interleaved (default 3)")
     ap.add_argument("--threads", default="1,2,4", help="FileSystemWriter thread counts; the first is the baseline")
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the GB/s bars into this PNG file (needs matplotlib)")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    if args.plot:
+        from .plot import plot_bench, require_matplotlib
+
+        require_matplotlib()  # before the run, not after minutes of it
     result = run(args.size_gb, args.dir, args.repeats, threads)
     print_report(result, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        plot_bench(result, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

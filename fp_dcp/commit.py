@@ -22,11 +22,12 @@ import contextlib
 import fcntl
 import os
 import pickle
+import weakref
 
 from .errors import CheckpointBusyError
 from .format import METADATA_NAME, decode_metadata, parse_data_file_name
 
-__all__ = ["SaveLock", "fsync_directory", "published_files", "publish", "remove_unreferenced"]
+__all__ = ["SaveLock", "PublishFailedError", "fsync_directory", "published_files", "publish", "remove_unreferenced"]
 
 LOCK_NAME = ".lock"
 _TMP_PREFIX = METADATA_NAME + "."
@@ -34,21 +35,25 @@ _TMP_SUFFIX = ".tmp"
 
 
 class SaveLock:
-    """Exclusive advisory lock on ``<directory>/.lock``; released by ``release`` or process exit."""
+    """Exclusive advisory lock on ``<directory>/.lock``.
+
+    Released by ``release``, when the lock object is garbage-collected (a
+    writer abandoned after a failed save must not block the next one), or at
+    process exit.
+    """
 
     def __init__(self, directory: str) -> None:
         path = os.path.join(directory, LOCK_NAME)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            os.close(fd)
             raise CheckpointBusyError(f"another save to {directory} is in progress (it holds {path})") from None
+        self._close = weakref.finalize(self, os.close, fd)  # closing drops the flock
 
     def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # closing drops the flock
-            self.fd = -1
+        self._close()
 
 
 def fsync_directory(directory: str) -> None:
@@ -79,21 +84,33 @@ def published_files(directory: str) -> set[str]:
     return set()
 
 
+class PublishFailedError(OSError):
+    """``.metadata`` could not be put in place: the directory still holds what it held before."""
+
+
 def publish(directory: str, metadata_bytes: bytes, token: str) -> None:
-    """Make ``metadata_bytes`` the directory's ``.metadata`` atomically and durably."""
+    """Make ``metadata_bytes`` the directory's ``.metadata`` atomically and durably.
+
+    Raises ``PublishFailedError`` (with errno and the file it could not
+    write) when nothing was published; an error after the rename (the final
+    directory fsync) is raised as it is, since the new ``.metadata`` is then
+    in place.
+    """
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{token}{_TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(metadata_bytes)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, os.path.join(directory, METADATA_NAME))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(metadata_bytes)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(directory, METADATA_NAME))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PublishFailedError(e.errno, f"{e.strerror} (publishing the checkpoint's .metadata)", tmp) from e
     fsync_directory(directory)
 
 

@@ -14,6 +14,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointExistsError",
     "CheckpointBusyError",
+    "CheckpointReplacedError",
     "UnsupportedTensorError",
 ]
 
@@ -40,6 +41,10 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class CheckpointBusyError(CheckpointError, BlockingIOError):
     """Another save to the same directory is in progress."""
+
+
+class CheckpointReplacedError(CheckpointError):
+    """A newer save replaced the checkpoint while it was being loaded; loading again reads the new one."""
 
 
 class UnsupportedTensorError(CheckpointError, TypeError):

@@ -159,7 +159,7 @@ class Window:
     pool buffer after another, so many small extents share a buffer; a buffer
     returns to the pool once every extent carved from it has retired.
     ``retire(extent, staged)`` runs after an extent's transfer completed (the
-    read pipeline copies out there); ``progress`` counts the bytes moved. ``abort`` waits out everything in flight
+    read pipeline copies out there); ``progress`` counts the item bytes moved. ``abort`` waits out everything in flight
     and reclaims all buffers, so no transfer can outlive a failed save or load.
     """
 
@@ -214,7 +214,7 @@ class Window:
         ticket, extent, staged, arena = self.inflight[0]
         self.engine.wait(ticket)  # on failure the extent stays for abort() to reclaim
         self.inflight.popleft()
-        self.progress.advance(extent.length)
+        self.progress.advance(extent.direct.memory.nbytes if extent.direct else sum(p.length for p in extent.parts))
         try:
             self.retire(extent, staged)
         finally:

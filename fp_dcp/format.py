@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import re
 import struct
@@ -41,6 +42,7 @@ __all__ = [
     "layout",
     "encode_metadata",
     "decode_metadata",
+    "read_metadata_file",
 ]
 
 FORMAT_NAME = "fp-dcp"
@@ -185,7 +187,15 @@ def is_stock_dcp(data: bytes) -> bool:
         return False
 
 
-def missing_metadata(directory: str) -> NotACheckpointError:
-    return NotACheckpointError(
-        f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
-    )
+def read_metadata_file(directory: str) -> tuple[str, bytes]:
+    """The path and bytes of a checkpoint directory's ``.metadata``; NotACheckpointError if there is none."""
+    if not os.path.isdir(directory):
+        raise NotACheckpointError(f"{directory} is not a directory, so not a checkpoint")
+    path = os.path.join(directory, METADATA_NAME)
+    try:
+        with open(path, "rb") as f:
+            return path, f.read()
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
+        ) from None

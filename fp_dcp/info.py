@@ -14,11 +14,13 @@ __all__ = ["engine_info"]
 
 
 def engine_info(directory: str | None = None, config: IOConfig | None = None) -> dict[str, Any]:
-    """The engine ``config`` resolves to here and, given a directory, the direct-I/O alignment there.
+    """The engine ``config`` resolves to here, and how files in ``directory`` will be accessed.
 
     Returns a dict with ``engine`` (``"io_uring"`` or ``"threads"``),
-    ``fallback_reason`` (why not io_uring, or None), ``crc32c_hardware`` and,
-    with ``directory``, ``direct_io`` and ``alignment`` for files created there.
+    ``fallback_reason`` (why not io_uring, or None), ``crc32c_hardware``, and
+    ``direct_io`` and ``alignment`` for files created in ``directory`` (by
+    default the temporary directory; pass the checkpoint directory, since
+    filesystems differ).
     """
     config = config if config is not None else IOConfig()
     engine = create_engine(config)
@@ -30,15 +32,14 @@ def engine_info(directory: str | None = None, config: IOConfig | None = None) ->
         }
     finally:
         engine.close()
-    if directory is not None:
-        fd, probe = tempfile.mkstemp(prefix=".fp-dcp-probe-", dir=directory)
-        os.close(fd)
+    fd, probe = tempfile.mkstemp(prefix=".fp-dcp-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+    f = open_file(probe, create=True, direct=config.direct_io)
+    try:
+        info["direct_io"] = f.direct
+        info["alignment"] = f.align
+    finally:
+        f.close()
         os.unlink(probe)
-        f = open_file(probe, create=True, direct=config.direct_io)
-        try:
-            info["direct_io"] = f.direct
-            info["alignment"] = f.align
-        finally:
-            f.close()
-            os.unlink(probe)
     return info

@@ -120,7 +120,7 @@ def write_files(
         plans.append((path, items, size))
 
     files: list[DataFile] = []
-    progress = Progress("save", sum(size for _, _, size in plans))
+    progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
     window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
     try:
         streams = []

@@ -1,6 +1,6 @@
 """Progress of long transfers, reported through logging (quiet unless asked for).
 
-Saves and loads log ``fp-dcp <what>: 1.2/4.0 GB, 1.9 GB/s, ETA 1.5 s`` on the
+Saves and loads log ``fp-dcp <what>: 1.20/4.00 GB, 1.90 GB/s, ETA 2 s`` on the
 ``fp_dcp`` logger at INFO level, at most every ``interval`` seconds, plus a
 final line. Python's default logging level (WARNING) keeps library use quiet;
 ``logging.getLogger("fp_dcp").setLevel(logging.INFO)`` (with a handler) turns
@@ -12,9 +12,23 @@ from __future__ import annotations
 import logging
 import time
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "progress_text"]
 
 log = logging.getLogger("fp_dcp")
+
+
+def progress_text(done: int, total: int, seconds: float) -> str:
+    """``1.20/4.00 GB, 1.50 GB/s, ETA 2 s``: sizes in the unit that suits the total, the rate in its own."""
+
+    def unit(n: float) -> tuple[float, str]:
+        return next((s, u) for s, u in ((1e9, "GB"), (1e6, "MB"), (1.0, "B")) if n >= s or s == 1.0)
+
+    scale, name = unit(total)
+    rate = done / seconds if seconds > 0 else 0.0
+    rate_scale, rate_name = unit(rate)
+    eta = f"ETA {(total - done) / rate:.0f} s" if rate > 0 and done < total else f"{seconds:.1f} s"
+    digits = 0 if name == "B" else 2
+    return f"{done / scale:.{digits}f}/{total / scale:.{digits}f} {name}, {rate / rate_scale:.2f} {rate_name}/s, {eta}"
 
 
 class Progress:
@@ -38,15 +52,5 @@ class Progress:
             self._log()
 
     def _log(self) -> None:
-        now = time.perf_counter()
-        self.last = now
-        rate = self.done / (now - self.start) if now > self.start else 0.0
-        eta = (self.total - self.done) / rate if rate else float("inf")
-        log.info(
-            "fp-dcp %s: %.2f/%.2f GB, %.2f GB/s, ETA %.1f s",
-            self.what,
-            self.done / 1e9,
-            self.total / 1e9,
-            rate / 1e9,
-            max(eta, 0.0),
-        )
+        self.last = time.perf_counter()
+        log.info("fp-dcp %s: %s", self.what, progress_text(self.done, self.total, self.last - self.start))

@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from . import _cio
 from .config import IOConfig
 from .engine import IOResources
-from .errors import NotACheckpointError
-from .format import METADATA_NAME, decode_metadata, is_stock_dcp, missing_metadata
+from .errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
+from .format import METADATA_NAME, decode_metadata, is_stock_dcp, read_metadata_file
 from .placement import locate_files
 from .unpacker import Catalog, read_items
 
@@ -79,6 +80,7 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.last_load: LoadSummary | None = None
         self._catalog: Catalog | None = None
+        self._metadata_crc = 0  # of the .metadata this load read
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._io = IOResources(self.config)
 
@@ -97,14 +99,8 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self._catalog = None
         self._stock = None
-        if not os.path.isdir(self.path):
-            raise NotACheckpointError(f"{self.path} is not a directory, so not a checkpoint")
-        path = os.path.join(self.path, METADATA_NAME)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise missing_metadata(self.path) from None
+        path, data = read_metadata_file(self.path)
+        self._metadata_crc = _cio.crc32c(data)
         if is_stock_dcp(data):
             self._stock = FileSystemReader(self.path)
             metadata = self._stock.read_metadata()
@@ -138,14 +134,28 @@ class FastPersistReader(StorageReader):
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         else:
             io_engine, pool = self._io.get()
-            nbytes, needed = read_items(
-                plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums
-            )
+            try:
+                nbytes, needed = read_items(
+                    plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums
+                )
+            except CorruptCheckpointError as e:
+                if self._replaced():
+                    raise CheckpointReplacedError(
+                        f"{self.path} was replaced by a newer save while this load read it; load again"
+                    ) from e
+                raise
             engine = io_engine.describe()
         self.last_load = LoadSummary(nbytes, needed, time.perf_counter() - start, engine)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _replaced(self) -> bool:
+        """Whether ``.metadata`` is no longer the one this load read (a save published meanwhile)."""
+        try:
+            return _cio.crc32c(read_metadata_file(self.path)[1]) != self._metadata_crc
+        except NotACheckpointError:
+            return True
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

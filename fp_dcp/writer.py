@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -162,7 +163,11 @@ class FastPersistWriter(StorageWriter):
             for k, items in enumerate(groups)
             if items
         ]
-        results, written = write_files(targets, planner, engine, pool, self.config)
+        try:
+            results, written = write_files(targets, planner, engine, pool, self.config)
+        except BaseException:
+            self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
+            raise
         for directory in {os.path.dirname(path) for path, _ in targets}:
             commit.fsync_directory(directory)  # the new names are durable before anything refers to them
         self.last_save = SaveSummary(
@@ -187,7 +192,11 @@ class FastPersistWriter(StorageWriter):
         metadata.version = DCP_METADATA_VERSION
         encoded = encode_metadata(metadata, files, {"save_id": self.save_id, **self.placement.footer()})
         try:
-            commit.publish(self.path, encoded, self._token)
+            try:
+                commit.publish(self.path, encoded, self._token)
+            except commit.PublishFailedError:
+                self._remove_files(files)  # unpublished: they would only hold the space a retry needs
+                raise
             keep = set(files) | {METADATA_NAME, commit.LOCK_NAME}
             for directory in dict.fromkeys([self.path, *self.placement.directories]):
                 commit.remove_unreferenced(directory, keep, replaced=self._replaced)
@@ -208,6 +217,17 @@ class FastPersistWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str:
         return self.path
+
+    def _remove_files(self, names: Iterable[str]) -> None:
+        """Remove this save's data files (those this host can reach) and make the removal durable."""
+        directories = set()
+        for name in names:
+            directory = self.placement.directory_of(file_index(name))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                directories.add(directory)
+        for directory in directories:
+            commit.fsync_directory(directory)
 
     # -------------------------------------------------------------- resources
 

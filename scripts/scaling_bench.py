@@ -109,7 +109,9 @@ def _scaling_rank(rank: int, world: int, mounts: list[str], ks: list[int], per_d
         nbytes = sum(t.to_local().nbytes for t in state.values())
         total = torch.tensor([nbytes])
         dist.all_reduce(total)
-        writer = FastPersistWriter(os.path.join(mounts[0], "ckpt"), data_dirs=[os.path.join(m, "data") for m in mounts[:k]])
+        writer = FastPersistWriter(
+            os.path.join(mounts[0], "ckpt"), data_dirs=[os.path.join(m, "data") for m in mounts[:k]]
+        )
         rates = []
         for rep in range(repeats):
             writer.reset(os.path.join(mounts[0], f"ckpt-{k}-{rep}"))
@@ -158,7 +160,9 @@ def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, out)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, out)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         results = dict(out.get(timeout=900) for _ in procs)
@@ -187,8 +191,10 @@ def scaling(args: argparse.Namespace) -> list[dict]:
         rate = statistics.median(r["rates"])
         ideal = r["k"] * limit
         r.update(median=rate, ideal=ideal, ratio=rate / ideal)
-        print(f"{r['k']:>8}{r['ranks']:>8}{r['bytes'] / 1e9:>10.2f}{rate / MB:>15.0f}{ideal / MB:>11.0f}"
-              f"{r['ratio']:>7.2f}  {'ok' if r['ratio'] >= 0.9 else 'MISSED'}")
+        print(
+            f"{r['k']:>8}{r['ranks']:>8}{r['bytes'] / 1e9:>10.2f}{rate / MB:>15.0f}{ideal / MB:>11.0f}"
+            f"{r['ratio']:>7.2f}  {'ok' if r['ratio'] >= 0.9 else 'MISSED'}"
+        )
     return rows
 
 
@@ -203,7 +209,10 @@ def resharding(args: argparse.Namespace) -> list[dict]:
     print("each rank needs one run per row; O_DIRECT rounds every run out to the device block")
     print(f"{'rank':>5}{'needed MB':>11}{'read MB':>9}{'read/needed':>13}  bit-exact")
     for r in rows:
-        print(f"{r['rank']:>5}{r['needed'] / MB:>11.1f}{r['read'] / MB:>9.1f}{r['read'] / r['needed']:>13.3f}  {r['exact']}")
+        print(
+            f"{r['rank']:>5}{r['needed'] / MB:>11.1f}{r['read'] / MB:>9.1f}"
+            f"{r['read'] / r['needed']:>13.3f}  {r['exact']}"
+        )
     return rows
 
 
@@ -217,7 +226,9 @@ def main() -> int:
     args = ap.parse_args()
     if not args.skip_scaling:
         if os.geteuid() != 0 or not os.path.exists(THROTTLE):
-            print("the scaling table needs root and the cgroup-v1 blkio controller; use --skip-scaling", file=sys.stderr)
+            print(
+                "the scaling table needs root and the cgroup-v1 blkio controller; use --skip-scaling", file=sys.stderr
+            )
             return 2
         scaling(args)
     resharding(args)

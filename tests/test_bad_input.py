@@ -140,7 +140,9 @@ def rewrite_footer(path, **changes) -> None:
     footer = json.loads(data[body_end:-16])
     footer.update(changes)
     new = json.dumps(footer).encode()
-    (path / ".metadata").write_bytes(data[:body_end] + new + struct.pack("<II8s", len(new), format._cio.crc32c(new), magic))
+    (path / ".metadata").write_bytes(
+        data[:body_end] + new + struct.pack("<II8s", len(new), format._cio.crc32c(new), magic)
+    )
 
 
 def test_reader_refuses_a_future_format_version(ckpt):

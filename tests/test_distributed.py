@@ -60,7 +60,7 @@ def _load(rank: int, world: int, path: str, mesh_shape: tuple, placements: dict,
 
 
 def _all(p) -> dict:
-    return {k: p for k in SHAPES}
+    return dict.fromkeys(SHAPES, p)
 
 
 def check_loads(results: list[dict]) -> None:
@@ -103,7 +103,9 @@ def test_data_dirs_striped_across_ranks_and_found_on_load(tmp_path):
         assert len(r["files"]) == 2  # one per data directory
     assert sorted(os.listdir(ckpt)) == [".lock", ".metadata"]
     check_loads(run_ranks(3, _load, ckpt, (3,), _all([Shard(0)]), {"data_dirs": dirs}))
-    outcomes = run_ranks_outcomes(2, _load, ckpt, (2,), _all([Shard(0)]), {"data_dirs": dirs[:1] + [str(tmp_path / "gone")]})
+    outcomes = run_ranks_outcomes(
+        2, _load, ckpt, (2,), _all([Shard(0)]), {"data_dirs": [dirs[0], str(tmp_path / "gone")]}
+    )
     for ok, value in outcomes:
         assert not ok and "gone (data_dirs[1]) is missing" in value[1]
 
@@ -161,7 +163,9 @@ def _fsdp_model(world: int):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.Linear(48, 8)
+    )
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):

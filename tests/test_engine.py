@@ -126,8 +126,11 @@ def test_same_bytes_on_disk_whatever_the_engine(tmp_path):
     state = {"a": torch.randn(300, 301), "b": torch.randn(7), "c": torch.randn(2000, 999)}
     contents = set()
     for i, config in enumerate(
-        [IOConfig(engine="io_uring" if _cio.HAVE_IO_URING else "threads", direct_io=True),
-         IOConfig(engine="threads", direct_io=True), IOConfig(engine="threads", direct_io=False)]
+        [
+            IOConfig(engine="io_uring" if _cio.HAVE_IO_URING else "threads", direct_io=True),
+            IOConfig(engine="threads", direct_io=True),
+            IOConfig(engine="threads", direct_io=False),
+        ]
     ):
         path = tmp_path / str(i)
         save(state, path, config=config)
@@ -162,8 +165,19 @@ def test_built_without_liburing_uses_threads(tmp_path):
     ext = pkg / ("_cio" + sysconfig.get_config_var("EXT_SUFFIX"))
     cc = (sysconfig.get_config_var("CC") or "cc").split()
     subprocess.run(
-        [*cc, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", f"-I{sysconfig.get_paths()['include']}",
-         str(ROOT / "cio" / "cio.c"), "-o", str(ext)],
+        [
+            *cc,
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(ROOT / "cio" / "cio.c"),
+            "-o",
+            str(ext),
+        ],
         check=True,
     )
     script = textwrap.dedent(
@@ -183,5 +197,7 @@ def test_built_without_liburing_uses_threads(tmp_path):
         """
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "threads (fp_dcp._cio was built without liburing)"

@@ -17,7 +17,7 @@ from fp_dcp.format import layout
 from fp_dcp.unpacker import byte_runs
 
 
-def random_layout(rng: random.Random, n: int) -> tuple[list[Piece], bytearray]:
+def random_layout(rng: random.Random, n: int) -> list[Piece]:
     """Items of random sizes, half of them with page-congruent memory (direct-eligible)."""
     lengths = [rng.choice([0, 1, 63, 4096, 5000, 70_000, 300_000]) for _ in range(n)]
     memory = mmap.mmap(-1, sum(lengths) + 4096 * (n + 1))
@@ -26,15 +26,14 @@ def random_layout(rng: random.Random, n: int) -> tuple[list[Piece], bytearray]:
         cursor = -(-cursor // 4096) * 4096 + (rng.randrange(64) * 64 if rng.random() < 0.5 else 0)
         mems.append(memoryview(memory)[cursor : cursor + length])
         cursor += length
-    offsets, size = layout([(ln, _cio.address(m)) for ln, m in zip(lengths, mems)], large=4096)
-    pieces = [Piece(o, ln, i, 0, m) for i, (o, ln, m) in enumerate(zip(offsets, lengths, mems))]
-    return pieces, bytearray(size)
+    offsets, _ = layout([(ln, _cio.address(m)) for ln, m in zip(lengths, mems, strict=True)], large=4096)
+    return [Piece(o, ln, i, 0, m) for i, (o, ln, m) in enumerate(zip(offsets, lengths, mems, strict=True))]
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_write_extents_tile_the_file_aligned(seed):
     rng = random.Random(seed)
-    pieces, image = random_layout(rng, rng.randrange(1, 30))
+    pieces = random_layout(rng, rng.randrange(1, 30))
     align = rng.choice([512, 4096])
     capacity = align * rng.choice([2, 16, 64])
     covered = [0] * len(pieces)
@@ -63,7 +62,7 @@ def test_read_extents_skip_holes_and_allow_overlap(seed):
     rng = random.Random(seed)
     spans = sorted((rng.randrange(0, 1 << 20), rng.randrange(1, 20000)) for _ in range(rng.randrange(1, 20)))
     pieces = [Piece(start, length, i, 0, None) for i, (start, length) in enumerate(spans)]
-    got = {i: 0 for i in range(len(pieces))}
+    got = dict.fromkeys(range(len(pieces)), 0)
     read = count = 0
     for ext in plan_extents(pieces, 512, 1 << 16, 1 << 30, max_waste=0.05):
         assert ext.file_offset % 512 == 0 and ext.length % 512 == 0
@@ -78,7 +77,9 @@ def test_read_extents_skip_holes_and_allow_overlap(seed):
 
 
 def test_layout_packs_small_items_and_coaligns_large_ones():
-    offsets, size = layout([(10, None), (100, 4096 * 7 + 64), (5000, 4096 * 3 + 192), (1, None), (5000, None)], large=4096)
+    offsets, size = layout(
+        [(10, None), (100, 4096 * 7 + 64), (5000, 4096 * 3 + 192), (1, None), (5000, None)], large=4096
+    )
     assert offsets[0] == 0 and offsets[1] == 64  # small: packed at 64 bytes
     assert offsets[2] % 4096 == 192  # large: congruent to its address modulo a page
     assert offsets[3] % 64 == 0 and offsets[3] >= offsets[2] + 5000
@@ -120,8 +121,14 @@ def test_byte_range_reads_load_slices(ckpt, config):
     boxes = {0: ((100, 0), (300, 512)), 1: ((0, 128), (2048, 256)), 2: ((2047, 511), (1, 1))}
     targets = {i: torch.zeros(lengths) for i, (_, lengths) in boxes.items()}
     items = [
-        ReadItem(LoadItemType.TENSOR, MetadataIndex("w", [0, 0], i), torch.Size([0, 0]),
-                 MetadataIndex("w", [0, 0], 0), torch.Size(off), torch.Size(lengths))
+        ReadItem(
+            LoadItemType.TENSOR,
+            MetadataIndex("w", [0, 0], i),
+            torch.Size([0, 0]),
+            MetadataIndex("w", [0, 0], 0),
+            torch.Size(off),
+            torch.Size(lengths),
+        )
         for i, (off, lengths) in boxes.items()
     ]
     planner = _Planner(targets)

@@ -7,12 +7,19 @@ import random
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-import torch.distributed.checkpoint as dcp
-
-from fp_dcp import CheckpointBusyError, CorruptCheckpointError, FastPersistReader, FastPersistWriter, commit, engine, packer
+from fp_dcp import (
+    CheckpointBusyError,
+    CorruptCheckpointError,
+    FastPersistReader,
+    FastPersistWriter,
+    commit,
+    engine,
+    packer,
+)
 
 
 def state_of(value: float) -> dict:
@@ -125,7 +132,7 @@ def test_crash_before_publish_keeps_the_previous_checkpoint(ckpt, monkeypatch):
 
 
 def test_durable_steps_happen_in_order(ckpt, monkeypatch):
-    """Data fsynced, then its directory entry, then .metadata written, fsynced, renamed, directory fsynced, old files removed."""
+    """Data, then its directory entry, then .metadata (written, fsynced, renamed, dir fsynced), then old files go."""
     save(state_of(1.0), ckpt)
     (old,) = data_files(ckpt)
     events: list[str] = []
@@ -153,13 +160,19 @@ def test_durable_steps_happen_in_order(ckpt, monkeypatch):
         spy(cls, "sync", lambda *a: "fsync data")
     spy(os, "fsync", fsync_label)
     spy(os, "replace", lambda src, dst: f"rename {os.path.basename(src).split('.')[1]} -> {os.path.basename(dst)}")
-    spy(os, "unlink", lambda path: "unlink " + ("old" if os.path.basename(path) == old.name else os.path.basename(path)))
+    spy(
+        os, "unlink", lambda path: "unlink " + ("old" if os.path.basename(path) == old.name else os.path.basename(path))
+    )
     save(state_of(2.0), ckpt)
     monkeypatch.undo()
     assert events == [
-        "fsync data", "fsync dir",  # the data file and its name are durable...
-        "fsync metadata", "rename metadata -> .metadata", "fsync dir",  # ...before .metadata is published, durably...
-        "unlink old", "fsync dir",  # ...and only then is the replaced data removed
+        "fsync data",
+        "fsync dir",  # the data file and its name are durable...
+        "fsync metadata",
+        "rename metadata -> .metadata",
+        "fsync dir",  # ...before .metadata is published, durably...
+        "unlink old",
+        "fsync dir",  # ...and only then is the replaced data removed
     ]
     assert_loads(ckpt, 2.0)
 

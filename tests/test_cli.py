@@ -1,0 +1,279 @@
+"""The ``fp-dcp`` command: help everywhere, inspect, verify and convert on both kinds of checkpoint, exit codes."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import save
+
+from fp_dcp import bench, plot
+from fp_dcp.cli import ProgressBar, build_parser, human, main
+from fp_dcp.progress import progress_text
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ["inspect", "verify", "convert", "bench", "tune"]
+
+
+def state() -> dict:
+    return {
+        "model": {"w": torch.randn(300, 70).to(torch.bfloat16), "b": torch.arange(5)},
+        "extra": {"step": 3},
+    }
+
+
+@pytest.fixture
+def both(tmp_path):
+    """The same state saved as an fp-dcp checkpoint and as a torch FileSystemWriter one."""
+    s = state()
+    save(s, tmp_path / "fp")
+    dcp.save(s, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"))
+    return {"fp": tmp_path / "fp", "dcp": tmp_path / "stock"}, s
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def data_file(ckpt: Path) -> Path:
+    (name,) = [p for p in ckpt.iterdir() if p.suffix == ".distcp"]
+    return name
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_everywhere(command, capsys):
+    argv = ["--help"] if command is None else [command, "--help"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: fp-dcp{' ' + command if command else ''} ")
+    if command is None:
+        assert all(c in out for c in COMMANDS)
+    if command == "bench":
+        assert "--plot" in out and "--size-gb" in out
+
+
+def test_every_command_is_documented_with_an_example():
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    choices = build_parser()._subparsers._group_actions[0].choices
+    assert sorted(choices) == sorted(COMMANDS)
+    for command in COMMANDS:
+        assert f"$ fp-dcp {command} " in doc, command
+
+
+def test_installed_as_console_script_and_module(tmp_path):
+    (entry,) = importlib.metadata.entry_points(group="console_scripts", name="fp-dcp")
+    assert entry.value == "fp_dcp.cli:main"
+    out = subprocess.run(
+        [sys.executable, "-m", "fp_dcp", "--version"], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == f"fp-dcp {importlib.metadata.version('fp-dcp')}"
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in ([], ["inspect"], ["convert", "a", "b", "--to", "onnx"], ["inspect", "x", "--bogus"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2, argv
+    assert "usage: fp-dcp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fp", "dcp"])
+def test_inspect_table_and_json(both, kind, capsys):
+    paths, s = both
+    assert main(["inspect", str(paths[kind])]) == 0
+    table = capsys.readouterr().out
+    for fqn, dtype in (("model.w", "bfloat16"), ("model.b", "int64"), ("extra.step", "object")):
+        assert any(line.split()[:2] == [fqn, dtype] for line in table.splitlines()), fqn
+    assert "totals: 3 items (2 tensors, 1 object)" in table
+
+    assert main(["inspect", str(paths[kind]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == kind
+    assert info["writer"] == ("fp-dcp FastPersistWriter" if kind == "fp" else "torch FileSystemWriter")
+    assert info["format_version"] == (1 if kind == "fp" else None)
+    items = {item["fqn"]: item for item in info["items"]}
+    assert items["model.w"]["shape"] == [300, 70] and items["model.w"]["chunks"] == 1
+    on_disk = {p.name: p.stat().st_size for p in paths[kind].iterdir() if p.suffix == ".distcp"}
+    assert info["files"] == on_disk
+    assert all(set(item["files"]) <= set(on_disk) for item in items.values())
+    if kind == "fp":  # raw bytes: exactly the tensors' sizes
+        assert items["model.w"]["bytes"] == s["model"]["w"].nbytes and items["model.b"]["bytes"] == 40
+    assert info["totals"]["bytes"] == sum(item["bytes"] for item in items.values())
+    assert info["totals"]["file_bytes"] == sum(on_disk.values())
+
+
+@pytest.mark.parametrize("kind", ["fp", "dcp"])
+def test_verify_intact_exits_0(both, kind, capsys):
+    paths, _ = both
+    assert main(["verify", str(paths[kind])]) == 0
+    out = capsys.readouterr().out
+    assert ": intact: 3 items" in out and "BAD" not in out
+
+
+def test_verify_flipped_data_byte_names_the_item_and_exits_1(both, capsys):
+    paths, _ = both
+    flip(data_file(paths["fp"]), 10)  # inside the first item, model.w
+    assert main(["verify", str(paths["fp"])]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and "model.w" in bad[0] and data_file(paths["fp"]).name in bad[0]
+    assert "DAMAGED (1 problem)" in out
+
+
+def test_verify_flipped_metadata_byte_exits_1(both, capsys):
+    paths, _ = both
+    flip(paths["fp"] / ".metadata", 20)
+    assert main(["verify", str(paths["fp"]), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and any(".metadata" in p for p in report["problems"])
+
+
+def test_verify_missing_checkpoint_exits_1_with_one_line(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fp-dcp verify: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_inspect_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "model.pt")]) == 1
+    assert "model.pt is not a directory, so not a checkpoint" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "empty")]) == 1
+    assert ".metadata is missing" in capsys.readouterr().err
+
+
+def test_verify_progress_bar_on_request(both, capsys):
+    paths, _ = both
+    assert main(["verify", str(paths["fp"]), "--progress"]) == 0
+    err = capsys.readouterr().err
+    total = sum(p.stat().st_size for p in paths["fp"].iterdir() if p.suffix == ".distcp")
+    assert f"verify [{'#' * 24}] {total}/{total} B, " in err
+
+
+@pytest.mark.parametrize(("kind", "to"), [("fp", "dcp"), ("dcp", "fp"), ("fp", "torch"), ("dcp", "safetensors")])
+def test_convert_both_kinds(both, tmp_path, kind, to, capsys):
+    pytest.importorskip("safetensors", reason="safetensors is in the test extra")
+    paths, s = both
+    dst = tmp_path / f"out-{to}"
+    argv = ["convert", str(paths[kind]), str(dst), "--to", to]
+    if to == "safetensors":
+        assert main(argv) == 1
+        assert "--drop-non-tensors" in capsys.readouterr().err
+        argv.append("--drop-non-tensors")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"({kind}) to {dst} ({to}): 2 tensors" in captured.out
+    if to == "safetensors":
+        assert "left out extra.step" in captured.err  # the left-out entry is named
+        from safetensors.torch import load_file
+
+        assert torch.equal(load_file(dst)["model.w"], s["model"]["w"])
+    elif to == "torch":
+        assert torch.equal(torch.load(dst)["model"]["w"], s["model"]["w"])
+    else:
+        assert main(["verify", str(dst)]) == 0
+
+
+def test_convert_refuses_existing_destination_without_force(both, tmp_path, capsys):
+    paths, _ = both
+    dst = tmp_path / "out.pt"
+    dst.write_bytes(b"keep me")
+    assert main(["convert", str(paths["fp"]), str(dst), "--to", "torch"]) == 1
+    assert "--force" in capsys.readouterr().err and dst.read_bytes() == b"keep me"
+    assert main(["convert", str(paths["fp"]), str(dst), "--to", "torch", "--force"]) == 0
+    assert dst.read_bytes() != b"keep me"
+
+
+def test_verbose_shows_the_log(both, tmp_path, capsys):
+    paths, _ = both
+    assert main(["convert", str(paths["fp"]), str(tmp_path / "o.pt"), "--to", "torch", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "fp-dcp convert, reading " in err and re.search(r"[\d.]+ [KMG]?B/s", err)
+
+
+def fake_report() -> dict:
+    """``bench.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
+    methods = bench.build_methods({}, 1, {}, [1, 2], "unused")
+    for i, m in enumerate(methods):
+        m.save_gbps = [1.0 + i, 1.2 + i, 0.8 + i]
+        m.cpu_per_gb = [0.5]
+        m.peak_rss = [1 << 20]
+        m.load_gbps = [2.0 + i] if m.load is not None else []
+    return bench.report(methods, 10**9, os.getcwd())
+
+
+def test_bench_plot_draws_the_medians(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is in the test extra")
+    report = fake_report()
+    monkeypatch.setattr(bench, "run", lambda *args: report)
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--repeats", "1", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {png}" in capsys.readouterr().out
+    fig = plot.plot_bench(report, tmp_path / "again.png")
+    save_bars, load_bars = fig.axes[0].containers
+    assert [b.get_height() for b in save_bars] == [row["save_gbps"] for row in report["methods"].values()]
+    assert [b.get_height() for b in load_bars] == [row["load_gbps"] or 0.0 for row in report["methods"].values()]
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"fp-dcp\[plot\]"):
+        plot.require_matplotlib()
+    monkeypatch.setattr(bench, "run", lambda *args: pytest.fail("the benchmark ran before the plot was refused"))
+    assert main(["bench", "--plot", "x.png"]) == 1
+    assert "fp-dcp bench: error: plotting needs matplotlib: pip install 'fp-dcp[plot]'" in capsys.readouterr().err
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal():
+    stream = FakeTTY()
+    bar = ProgressBar("read", stream, width=10)
+    bar(0, 4_000_000_000)
+    bar(4_000_000_000, 4_000_000_000)
+    bar.close()
+    text = stream.getvalue()
+    assert text.startswith("\rread [##########] 4.00/4.00 GB, ") and text.endswith("\n")
+    assert "GB/s" in text
+
+
+def test_progress_bar_writes_lines_into_a_log():
+    stream = io.StringIO()
+    bar = ProgressBar("verify", stream, width=4)
+    bar(0, 2000)
+    bar(1000, 2000)  # within the interval: not drawn
+    bar(2000, 2000)
+    bar.close()
+    (line,) = stream.getvalue().splitlines()  # no carriage returns, one line per draw
+    assert line.startswith("verify [####] 2000/2000 B, ")
+
+
+def test_progress_text_units_rate_and_eta():
+    assert progress_text(2_000_000_000, 4_000_000_000, 2.0) == "2.00/4.00 GB, 1.00 GB/s, ETA 2 s"
+    assert progress_text(3_000_000, 3_000_000, 1.5) == "3.00/3.00 MB, 2.00 MB/s, 1.5 s"
+    assert progress_text(0, 500, 0.0) == "0/500 B, 0.00 B/s, 0.0 s"
+
+
+def test_human_sizes():
+    sizes = (0, 1023, 1024, 1536 * 1024, 3 << 30, 5 << 40)
+    assert [human(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.5 MiB", "3.0 GiB", "5120.0 GiB"]
