@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 demo: build
 	$(PY) -m fp_dcp.bench
 
-test: build
+test: lint
 	FP_DCP_WERROR=1 $(PY) -m pytest -q
 
 # Debian packages: liburing-dev for the io_uring engine, strace for the durability-order test.
@@ -31,7 +31,7 @@ $(PY):
 $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,dev]'
 	touch $@
 
 build: system-deps $(STAMP)
@@ -40,18 +40,13 @@ build: system-deps $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info fp_dcp/*.so
 
-# ---- code health (run before each release; `lint` is not part of `test` yet) ----
+# ---- code health: lint runs with every `make test`; asan before each release ----
 
-# ruff and mypy come with the dev extra, installed for these targets only.
-DEV_STAMP := $(VENV)/.installed-dev
+LINTED := fp_dcp tests scripts bench examples
 
-$(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,dev]'
-	touch $@
-
-lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check fp_dcp tests
-	$(VENV)/bin/ruff format --check fp_dcp tests
+lint: build
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
 # The C engine's tests against an AddressSanitizer build of fp_dcp._cio, made in a scratch copy of the

@@ -15,8 +15,10 @@ from . import errors
 from .config import IOConfig
 from .errors import *  # noqa: F403  (the exception types are part of the public API)
 from .info import engine_info
+from .overlap import OverlappedCheckpointer
 from .planner import FastPersistSavePlanner
 from .reader import FastPersistReader, LoadSummary
+from .staging import SaveCancelledError
 from .writer import FastPersistWriter, SaveSummary
 
 __version__ = "0.1.0"
@@ -29,5 +31,7 @@ __all__ = [
     "SaveSummary",
     "LoadSummary",
     "engine_info",
+    "OverlappedCheckpointer",
+    "SaveCancelledError",
     *errors.__all__,
 ]

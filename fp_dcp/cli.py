@@ -112,7 +112,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             "format": kind,
             "format_version": footer["format_version"],
             "writer": "fp-dcp FastPersistWriter",
-            "engine": footer.get("engine"),  # recorded by writers that know it; None otherwise
+            "engine": footer.get("engine"),  # the coordinator's engine and I/O mode
             "save_id": footer.get("save_id"),
             "data_dirs": footer.get("data_dirs") or [],
         }
@@ -175,7 +175,9 @@ def _print_inspect(info: dict[str, Any]) -> None:
     kind = f"fp-dcp format version {info['format_version']}" if info["format"] == "fp" else "torch DCP"
     print(f"checkpoint: {info['path']}")
     print(f"format:     {info['format']} ({kind}, DCP metadata {info['dcp_metadata_version']})")
-    print(f"written by: {info['writer']}" + (f", engine {info['engine']}" if info["engine"] else ""))
+    print(f"written by: {info['writer']}")
+    if info["engine"]:
+        print(f"engine:     {info['engine']}")
     if info["data_dirs"]:
         print(f"data dirs:  {', '.join(info['data_dirs'])}")
     rows = [["fqn", "dtype", "shape", "chunks", "bytes", "file"]]

@@ -65,6 +65,16 @@ class IOConfig:
         io_threads: worker threads of the ``threads`` engine.
         direct_min: smallest run of an item that is written or read straight
             from tensor memory instead of through a staging buffer.
+        staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied
+            device-to-host into the staging buffers in pieces of at most this
+            many bytes, each followed by a CUDA event, so that the checksum of
+            one piece overlaps the copy of the next. ``num_buffers`` is the
+            depth of the device-to-disk pipeline: one buffer fills from the GPU
+            while the others are written.
+        gather_max: GPU tensor parts of at most this many bytes that share a
+            staging buffer are gathered on the GPU (``cuda/gather.cu``) and
+            copied to the host together, instead of one copy each; 0 copies
+            every part on its own.
     """
 
     engine: EngineChoice = field(default_factory=_env_engine)
@@ -75,12 +85,14 @@ class IOConfig:
     queue_depth: int = 8
     io_threads: int = 4
     direct_min: int = 1 * MiB
+    staging_chunk: int = 8 * MiB
+    gather_max: int = 256 * 1024
 
     def __post_init__(self) -> None:
         if self.engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', not {self.engine!r}")
         page = 4096
-        for name in ("buffer_size", "block_size"):
+        for name in ("buffer_size", "block_size", "staging_chunk"):
             value = getattr(self, name)
             if value < page or value % page:
                 raise ValueError(f"{name} must be a positive multiple of {page}, got {value}")
@@ -93,3 +105,5 @@ class IOConfig:
             raise ValueError("block_size must be at most 1 GiB (the kernel's request limit)")
         if self.direct_min < page:
             raise ValueError(f"direct_min must be at least {page}, got {self.direct_min}")
+        if self.gather_max < 0:
+            raise ValueError(f"gather_max must be at least 0, got {self.gather_max}")

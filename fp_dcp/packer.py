@@ -7,6 +7,10 @@ through the engine: large runs straight from tensor memory, the rest copied
 (with its checksum computed in the same pass) into staging buffers, while
 earlier extents are still on their way to disk. The file is fsynced before
 the results are returned; on any failure the files are removed.
+
+A ``staging.Session`` (the writer passes one for every save) copies the GPU
+parts of staged extents device-to-host on a side stream, can cancel the save
+between extents, and is told when every source has been read.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .extents import Extent, Piece, Window, interleave, plan_extents
 from .format import ItemLocation, layout, stored_nbytes
 from .planner import deal
 from .progress import Progress
+from .staging import Session
 from .tensors import ByteSource, check_storable
 
 __all__ = ["FileWritten", "split_items", "write_files"]
@@ -76,7 +81,7 @@ def split_items(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
     """Deal items into ``n`` groups of near-equal bytes, keeping plan order within each."""
     owners, _ = deal([stored_nbytes(item) or 0 for item in items], [range(n)] * len(items), n)
     groups: list[list[WriteItem]] = [[] for _ in range(n)]
-    for item, group in zip(items, owners):
+    for item, group in zip(items, owners, strict=True):
         groups[group].append(item)
     return groups
 
@@ -105,19 +110,25 @@ def write_files(
     engine: Engine,
     pool: BufferPool,
     config: IOConfig,
+    session: Session | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write each (path, items) target into a new file, all durably; return the items' results.
 
     The files' extents are interleaved, so files on different devices are
-    written at the same time.
+    written at the same time. ``session.released()`` is called once no
+    transfer reads tensor memory any more: after the last staged extent was
+    filled or, when extents were written straight from tensor memory, once
+    those writes completed.
     """
     plans = []
     for path, write_items in targets:
         items = [_resolve(wi, planner, pool.size) for wi in write_items]
         offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
-        for it, offset in zip(items, offsets):
+        for it, offset in zip(items, offsets, strict=True):
             it.offset = offset
         plans.append((path, items, size))
+    if session is not None:
+        session.prepare(pool, [it.source for _, items, _ in plans for it in items])
 
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
@@ -130,15 +141,23 @@ def write_files(
             _preallocate(f, size)
             pieces = (Piece(it.offset, it.source.nbytes, it, 0, it.source.memory) for it in items)
             streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
+        in_place = False  # whether a transfer reads tensor memory until it completes
         for f, extent in interleave(streams):
+            if session is not None:
+                session.check()
             if extent.direct:
                 it = extent.direct.owner
                 it.crc = _cio.crc32c(extent.direct.memory, it.crc)
                 buffer, data = None, extent.direct.memory
+                in_place = True
             else:
-                buffer = data = _fill(window.stage(extent.length), extent)
+                buffer = data = _fill(window.stage(extent.length), extent, session)
             window.push(engine.write(f, data, extent.file_offset), extent, buffer)
+        if session is not None and not in_place:
+            session.released()
         window.finish()
+        if session is not None:
+            session.released()
         engine.sync(files)
     except BaseException:
         window.abort()
@@ -152,7 +171,7 @@ def write_files(
 
     results = []
     written = []
-    for (path, items, size), f in zip(plans, files):
+    for (path, items, size), f in zip(plans, files, strict=True):
         name = os.path.basename(path)
         results += [
             WriteResult(
@@ -166,12 +185,25 @@ def write_files(
     return results, written
 
 
-def _fill(buffer: memoryview, extent: Extent) -> memoryview:
-    """Copy a staged extent's parts into ``buffer`` at their positions; zero the rest."""
-    cursor = 0
-    for owner, owner_offset, buf_offset, length in extent.parts:
-        _zero(buffer, cursor, buf_offset)
-        cursor = buf_offset + length
-        owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc)
-    _zero(buffer, cursor, extent.length)
+def _fill(buffer: memoryview, extent: Extent, session: Session | None = None) -> memoryview:
+    """Copy a staged extent's parts into ``buffer`` at their positions; zero the rest.
+
+    GPU parts are copied by the session's side streams while the host fills
+    the rest, then checksummed as their copies complete.
+    """
+    batch = session.issue(buffer, extent) if session is not None else None
+    try:
+        cursor = 0
+        for owner, owner_offset, buf_offset, length in extent.parts:
+            _zero(buffer, cursor, buf_offset)
+            cursor = buf_offset + length
+            if batch is None or owner not in batch:
+                owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc)
+        _zero(buffer, cursor, extent.length)
+    except BaseException:
+        if batch is not None:
+            batch.wait()  # no device copy may outlive the buffer it writes into
+        raise
+    if batch is not None:
+        batch.complete()
     return buffer

@@ -42,7 +42,7 @@ def _in_place(tensor: torch.Tensor) -> bool:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _slabs(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
@@ -65,11 +65,14 @@ class ByteSource:
 
     In-place CPU tensors and byte strings are one memory block; anything else
     (non-contiguous, conjugate views, other devices) is materialized on the
-    host in slabs of at most ``slab_bytes``, one slab at a time.
+    host in slabs of at most ``slab_bytes``, one slab at a time. A CUDA
+    tensor is also kept as ``device_tensor``, so that the write pipeline can
+    copy it through ``fp_dcp.staging`` (side stream, pinned buffers) instead.
     """
 
     def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int) -> None:
         self.memory: memoryview | None
+        self.device_tensor: torch.Tensor | None = None
         self._slabs: Iterator[torch.Tensor] | None = None
         self._slab = memoryview(b"")
         self._slab_start = 0
@@ -83,6 +86,8 @@ class ByteSource:
             else:
                 self.memory = None
                 self._slabs = _slabs(data.detach(), slab_bytes)
+                if data.device.type == "cuda":
+                    self.device_tensor = data.detach()
 
     @property
     def address(self) -> int | None:
@@ -139,7 +144,7 @@ class ByteSink:
         if self.host is not self.target:
             source = self.host
             if self.region is not None:
-                for dim, (start, length) in enumerate(zip(*self.region)):
+                for dim, (start, length) in enumerate(zip(*self.region, strict=True)):
                     source = source.narrow(dim, start, length)
             self.target.copy_(source)
         return self.target

@@ -6,9 +6,11 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future as StagingFuture
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -23,6 +25,7 @@ from .errors import CheckpointExistsError
 from .format import METADATA_NAME, PAGE, align_up, data_file_name, encode_metadata, file_index
 from .packer import split_items, write_files
 from .placement import Placement
+from .staging import AsyncSaves, Mode, Session, Staging
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
 
@@ -43,6 +46,10 @@ class SaveSummary:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def describe_io(self) -> str:
+        """``io_uring, O_DIRECT``: the engine and how the files were opened."""
+        return f"{self.engine}, {'O_DIRECT' if self.direct_io else 'page cache'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,25 @@ class FastPersistWriter(StorageWriter):
 
         dcp.save(state_dict, storage_writer=FastPersistWriter("/nvme/ckpt/step-100"))
 
+    GPU tensors are copied device-to-host on a side CUDA stream into the
+    writer's page-locked staging buffers, pipelined with the disk writes
+    (``fp_dcp.staging``, docs/gpu.md). For saves that overlap training, pass
+    the writer as DCP's ``AsyncStager`` too::
+
+        resp = dcp.async_save(state_dict, storage_writer=writer, async_stager=writer)
+        ...                                   # forward and backward of the next step
+        resp.staging_completion.result()      # before optimizer.step(): parameters may change
+        resp.upload_completion.result()       # the checkpoint is published
+
+    ``staging_completion`` fires when training may change the parameters,
+    ``upload_completion`` after the durable commit; how soon the first comes
+    depends on ``mode``. ``fp_dcp.overlap.OverlappedCheckpointer`` does this
+    in a training loop. ``isinstance(writer, AsyncStager)`` is deliberately
+    False, so ``dcp.async_save(sd, storage_writer=writer)`` without
+    ``async_stager`` keeps torch's default stager (a full host copy) and its
+    plain Future, as before. Async saves need DCP's thread executor (the
+    default).
+
     Args:
         path: checkpoint directory; created if missing.
         overwrite: replace a checkpoint already published at ``path``. The old
@@ -89,10 +115,26 @@ class FastPersistWriter(StorageWriter):
             written at the same time (more lanes keep more requests in flight
             per device on striped or networked filesystems).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
+        mode: what ``stage`` does for ``async_save`` (``dcp.save`` always streams):
+            ``"streaming"`` copies nothing up front: the save reads the tensors
+            themselves (GPU ones through the staging buffers), and
+            ``staging_completion`` fires once it has read them all, as in
+            FastPersist, where the write ends before the next optimizer step.
+            Host memory: the staging buffers, whatever the state's size.
+            ``"snapshot"`` copies the whole state into a page-locked host arena
+            (kept and reused across saves) on a side stream, and
+            ``staging_completion`` fires when the copy is done; the write may
+            then span several steps. Host memory: the state's size, once.
 
-    One writer runs one save at a time. It keeps its staging buffers and I/O
-    engine between saves (reusing warm memory); ``close()`` releases them.
+    One writer runs one save at a time (async saves queue behind each other).
+    It keeps its staging buffers, I/O engine and snapshot between saves
+    (reusing warm memory); ``close()`` releases them. ``cancel()`` stops a
+    save in progress.
     """
+
+    # Declared for type checkers only: left unset so that isinstance(writer, AsyncStager)
+    # is False (see the class docstring). stage() always returns a future, so DCP never reads it.
+    _synchronize_after_execute: bool
 
     def __init__(
         self,
@@ -102,6 +144,7 @@ class FastPersistWriter(StorageWriter):
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
         lanes_per_dir: int = 1,
         config: IOConfig | None = None,
+        mode: Mode = "streaming",
     ) -> None:
         super().__init__()
         self.path = checkpoint_directory(path)
@@ -110,6 +153,13 @@ class FastPersistWriter(StorageWriter):
         self.lanes_per_dir = lanes_per_dir
         self.placement = Placement(self.path, self.data_dirs, lanes_per_dir)
         self.config = config if config is not None else IOConfig()
+        if mode not in ("streaming", "snapshot"):
+            raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
+        self.mode: Mode = mode
+        self._staging = Staging(self.config)
+        self._async = AsyncSaves(self._staging)
+        self._busy = threading.Lock()  # held while a save's data is written
+        self._cancel = threading.Event()
         self.save_id = str(uuid.uuid4())
         self.rank = 0
         self.is_coordinator = False
@@ -149,12 +199,34 @@ class FastPersistWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
-        return [dataclasses.replace(plan, storage_data=_RankFiles(rank, self._token)) for rank, plan in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=_RankFiles(rank, self._token)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         spec = plan.storage_data
         if not isinstance(spec, _RankFiles):
-            raise RuntimeError("FastPersistWriter.prepare_global_plan did not run for this save (cached plans are not supported)")
+            raise RuntimeError(
+                "FastPersistWriter.prepare_global_plan did not run for this save (cached plans are not supported)"
+            )
+        staged = self._async.claim()  # the async_save this thread runs; None for dcp.save
+        session = self._staging.session(
+            staged.ready if staged else None, staged.release if staged else None, self._cancel
+        )
+        try:
+            with self._busy:  # async saves run in DCP's threads: one pipeline at a time
+                return self._write_data(plan, planner, spec, session)
+        except BaseException as e:
+            self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
+            if staged is not None:
+                staged.fail(e)  # staging_completion must not stay pending
+            raise
+        finally:
+            self._cancel.clear()
+            if staged is not None:
+                staged.written.set()
+
+    def _write_data(
+        self, plan: SavePlan, planner: SavePlanner, spec: _RankFiles, session: Session
+    ) -> Future[list[WriteResult]]:
         start = time.perf_counter()
         engine, pool = self._io.get()
         groups = split_items(plan.items, self.placement.files_per_rank)
@@ -163,11 +235,7 @@ class FastPersistWriter(StorageWriter):
             for k, items in enumerate(groups)
             if items
         ]
-        try:
-            results, written = write_files(targets, planner, engine, pool, self.config)
-        except BaseException:
-            self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
-            raise
+        results, written = write_files(targets, planner, engine, pool, self.config, session)
         for directory in {os.path.dirname(path) for path, _ in targets}:
             commit.fsync_directory(directory)  # the new names are durable before anything refers to them
         self.last_save = SaveSummary(
@@ -190,7 +258,8 @@ class FastPersistWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         metadata.version = DCP_METADATA_VERSION
-        encoded = encode_metadata(metadata, files, {"save_id": self.save_id, **self.placement.footer()})
+        written_by = {"engine": self.last_save.describe_io()} if self.last_save else {}  # the coordinator's
+        encoded = encode_metadata(metadata, files, {"save_id": self.save_id, **written_by, **self.placement.footer()})
         try:
             try:
                 commit.publish(self.path, encoded, self._token)
@@ -229,6 +298,35 @@ class FastPersistWriter(StorageWriter):
         for directory in directories:
             commit.fsync_directory(directory)
 
+    # ------------------------------------------ async saves (DCP's AsyncStager)
+
+    def stage(self, state_dict: dict[str, Any]) -> StagingFuture[dict[str, Any]]:
+        """``AsyncStager.stage`` for ``dcp.async_save(..., async_stager=writer)``; see ``mode``.
+
+        Returns at once. The future (DCP turns it into ``staging_completion``)
+        completes when training may change the parameters, and fails if the
+        save fails before that.
+        """
+        return self._async.stage(state_dict, self.mode)
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False  # stage() returns a future: async_save hands it back as staging_completion
+
+    def synchronize_staging(self) -> None:
+        """Wait until every save staged so far lets training change the parameters."""
+        self._async.synchronize()
+
+    def cancel(self) -> None:
+        """Stop the save in progress (or staged and about to write) at its next transfer.
+
+        Its ``write_data`` raises ``SaveCancelledError``, its files are removed
+        and nothing is published; DCP reports the error on every rank. A no-op
+        when no save is in progress.
+        """
+        if self._busy.locked() or self._async.pending():
+            self._cancel.set()
+
     # -------------------------------------------------------------- resources
 
     def _release_lock(self) -> None:
@@ -237,7 +335,9 @@ class FastPersistWriter(StorageWriter):
             self._lock = None
 
     def close(self) -> None:
-        """Release the staging buffers, the I/O engine and any lock still held."""
+        """Wait for async saves in flight, then release the staging buffers, snapshot, I/O engine and lock."""
+        self._async.close()
+        self._staging.close()  # first: it unpins the pool buffers, which the engine then unmaps
         self._release_lock()
         self._io.close()
 
