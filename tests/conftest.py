@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,6 +56,24 @@ def failure(exc_info: pytest.ExceptionInfo) -> BaseException:
     if isinstance(err, CheckpointException):
         return next(iter(err.failures.values()))[0]
     return err
+
+
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``mnt`` (needs root), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "fp-dcp-test", str(mnt)], capture_output=True, text=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)]).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)  # something still open: detach anyway
 
 
 @pytest.fixture

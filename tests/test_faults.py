@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, empty_like, failure, same_bytes, save
+from conftest import SMALL, empty_like, failure, same_bytes, save, tmpfs
 from test_misuse import long_path
 from test_roundtrip import ENGINES
 from torch.distributed.checkpoint.api import CheckpointException
@@ -87,19 +87,8 @@ def room_for_data_only(fs, state: dict) -> None:
 @pytest.fixture
 def small_fs(tmp_path):
     """A 64 MiB tmpfs, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=64m", "fp-dcp-test", str(mnt)]
-    mounted = subprocess.run(command, capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "64m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)]).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)  # something still open: detach anyway
 
 
 def test_enospc_saving_128mib_on_a_64mib_filesystem(small_fs):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import empty_like, failure, load, same_bytes, save
+from conftest import empty_like, failure, load, same_bytes, save, tmpfs
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import (
@@ -359,20 +359,9 @@ def test_very_long_paths(tmp_path):
 
 @pytest.fixture
 def read_only_fs(tmp_path):
-    """A tmpfs holding a checkpoint, remounted read-only."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a read-only filesystem")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=16m", "fp-dcp-ro", str(mnt)]
-    mounted = subprocess.run(command, capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    """A tmpfs for a checkpoint that the test then remounts read-only."""
+    with tmpfs(tmp_path / "ro", "16m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)]).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def test_read_only_filesystem(read_only_fs):
