@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import uuid
@@ -10,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -82,6 +83,7 @@ class FastPersistReader(StorageReader):
         self._catalog: Catalog | None = None
         self._metadata_crc = 0  # of the .metadata this load read
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
+        self._stock_metadata = Metadata({})
         self._io = IOResources(self.config)
 
     # ----------------------------------------------------------- DCP contract
@@ -115,6 +117,7 @@ class FastPersistReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._stock is not None:
             self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            self._stock_metadata = metadata
         elif self._catalog is None:
             raise RuntimeError("FastPersistReader.set_up_storage_reader called before read_metadata")
 
@@ -128,7 +131,9 @@ class FastPersistReader(StorageReader):
         start = time.perf_counter()
         if self._stock is not None:
             self._stock.read_data(plan, planner).wait()
-            nbytes = needed = sum(self._stock.storage_data[item.storage_index].length for item in plan.items)
+            # torch's reader reads every record whole, whatever part of it is needed
+            nbytes = sum(self._stock.storage_data[item.storage_index].length for item in plan.items)
+            needed = sum(self._needed(item) for item in plan.items)
             engine = "torch FileSystemReader (stock DCP checkpoint)"
         elif self._catalog is None:
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
@@ -149,6 +154,14 @@ class FastPersistReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _needed(self, item: ReadItem) -> int:
+        """Bytes of the region a stock checkpoint's ReadItem asks for (the whole record for objects)."""
+        if item.type == LoadItemType.BYTE_IO:
+            return int(self._stock.storage_data[item.storage_index].length)  # type: ignore[union-attr]
+        md = self._stock_metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        return math.prod(item.lengths) * md.properties.dtype.itemsize
 
     def _replaced(self) -> bool:
         """Whether ``.metadata`` is no longer the one this load read (a save published meanwhile)."""

@@ -110,6 +110,17 @@ def test_data_dirs_striped_across_ranks_and_found_on_load(tmp_path):
         assert not ok and "gone (data_dirs[1]) is missing" in value[1]
 
 
+def _stock_save(rank: int, world: int, path: str) -> None:
+    dcp.save(sharded((world,), _all([Shard(0)])), storage_writer=dcp.FileSystemWriter(path))
+
+
+def test_stock_multi_rank_checkpoint_loads_through_fast_persist_reader(ckpt):
+    """Switch readers first: a FileSystemWriter checkpoint of 2 ranks, resharded onto 3 by FastPersistReader."""
+    run_ranks(2, _stock_save, str(ckpt))
+    for r in run_ranks(3, _load, str(ckpt), (3,), _all([Shard(1)]), {}):
+        assert r["bad"] == []
+
+
 def _fail_on_rank_1(rank: int, world: int, path: str) -> None:
     if rank == 1:
         os.environ["FP_DCP_FAULT_AT"] = "1"  # this rank's first write fails with EIO
