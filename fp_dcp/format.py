@@ -27,7 +27,7 @@ import struct
 import sys
 from typing import Any, NamedTuple
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
 from . import _cio
@@ -85,6 +85,16 @@ def stored_nbytes(item: WriteItem) -> int | None:
     if data is None:
         return None
     return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def describe_item(index: MetadataIndex, loc: ItemLocation) -> str:
+    """``'fqn' (chunk at [0, 0]) in FILE bytes A..B``: how errors name a stored item."""
+    chunk = f" (chunk at {list(index.offset)})" if index.offset is not None else ""
+    return f"{index.fqn!r}{chunk} in {loc.file} bytes {loc.offset}..{loc.offset + loc.length}"
+
+
+def checksum_mismatch(index: MetadataIndex, loc: ItemLocation, read: int) -> str:
+    return f"checksum mismatch for {describe_item(index, loc)}: stored {loc.crc32c:08x}, read {read:08x}"
 
 
 def file_index(name: str) -> int:

@@ -31,7 +31,7 @@ from .config import IOConfig
 from .engine import DataFile, Engine, open_file
 from .errors import CorruptCheckpointError
 from .extents import Extent, Piece, Window, interleave, plan_extents
-from .format import ItemLocation
+from .format import ItemLocation, checksum_mismatch, describe_item
 from .progress import Progress
 from .tensors import ByteSink
 
@@ -107,10 +107,7 @@ class _Item:
         self.verify = False
 
     def describe(self) -> str:
-        index = self.req.storage_index
-        where = f" (chunk at {list(index.offset)})" if index.offset is not None else ""
-        loc = self.location
-        return f"{index.fqn!r}{where} in {loc.file} bytes {loc.offset}..{loc.offset + loc.length}"
+        return describe_item(self.req.storage_index, self.location)
 
 
 def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) -> None:
@@ -148,9 +145,7 @@ def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) 
 
 def _finish(item: _Item, planner: LoadPlanner) -> None:
     if item.verify and item.crc != item.location.crc32c:
-        raise CorruptCheckpointError(
-            f"checksum mismatch for {item.describe()}: stored {item.location.crc32c:08x}, read {item.crc:08x}"
-        )
+        raise CorruptCheckpointError(checksum_mismatch(item.req.storage_index, item.location, item.crc))
     if isinstance(item.sink, memoryview):
         planner.load_bytes(item.req, io.BytesIO(item.sink.tobytes()))
     else:

@@ -37,7 +37,17 @@ from .buffers import BufferPool
 from .config import IOConfig
 from .engine import DataFile, Engine, IOResources, Ticket, open_file
 from .errors import CorruptCheckpointError
-from .format import METADATA_NAME, PAGE, ItemLocation, align_up, decode_metadata, is_stock_dcp, read_metadata_file
+from .format import (
+    METADATA_NAME,
+    PAGE,
+    ItemLocation,
+    align_up,
+    checksum_mismatch,
+    decode_metadata,
+    describe_item,
+    is_stock_dcp,
+    read_metadata_file,
+)
 from .placement import locate_files
 from .unpacker import Catalog
 
@@ -118,7 +128,7 @@ def verify_checkpoint(
         if loc.file in by_file:
             by_file[loc.file].append((index, loc))
         else:
-            problems.append(f"{_describe(index, loc)}: the metadata footer does not list data file {loc.file}")
+            problems.append(f"{describe_item(index, loc)}: the metadata footer does not list data file {loc.file}")
 
     tracker = _Progress(progress, sum(catalog.file_sizes.values()))
     checked = 0
@@ -161,11 +171,6 @@ class _Progress:
         self._report(self.total)
 
 
-def _describe(index: MetadataIndex, loc: ItemLocation) -> str:
-    chunk = f" (chunk at {list(index.offset)})" if index.offset is not None else ""
-    return f"{index.fqn!r}{chunk} in {loc.file} bytes {loc.offset}..{loc.offset + loc.length}"
-
-
 def _check_metadata(metadata: Metadata, catalog: Catalog) -> list[str]:
     """Entries the metadata describes but stores nowhere, and stored lengths that disagree with shapes."""
     problems = []
@@ -183,9 +188,11 @@ def _check_metadata(metadata: Metadata, catalog: Catalog) -> list[str]:
             continue
         shape = catalog.chunks.get((index.fqn, tuple(index.offset)))
         if shape is None:
-            problems.append(f"{_describe(index, loc)}: stored, but {METADATA_NAME} describes no such chunk")
+            problems.append(f"{describe_item(index, loc)}: stored, but {METADATA_NAME} describes no such chunk")
         elif math.prod(shape[0]) * shape[1].itemsize != loc.length:
-            problems.append(f"{_describe(index, loc)}: the length does not match shape {list(shape[0])} of {shape[1]}")
+            problems.append(
+                f"{describe_item(index, loc)}: the length does not match shape {list(shape[0])} of {shape[1]}"
+            )
     return problems
 
 
@@ -223,7 +230,7 @@ class _Segment:
         index, loc = self.item
         if self.crc == loc.crc32c:
             return None
-        return f"checksum mismatch for {_describe(index, loc)}: stored {loc.crc32c:08x}, read {self.crc:08x}"
+        return checksum_mismatch(index, loc, self.crc)
 
 
 def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> tuple[list[_Segment], int]:
@@ -234,18 +241,20 @@ def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> 
     for index, loc in sorted(items, key=lambda item: item[1].offset):
         stop = loc.offset + loc.length
         if stop > size:
-            problems.append(f"{_describe(index, loc)}: {name} ends at byte {size}, before the end of the item")
+            problems.append(f"{describe_item(index, loc)}: {name} ends at byte {size}, before the end of the item")
             cursor = max(cursor, stop)  # what is left of the item is not padding
             continue
         if loc.offset < cursor:
-            problems.append(f"{_describe(index, loc)}: overlaps the item before it ({METADATA_NAME} is inconsistent)")
+            problems.append(
+                f"{describe_item(index, loc)}: overlaps the item before it ({METADATA_NAME} is inconsistent)"
+            )
             continue
         if loc.offset > cursor:
             segments.append(_Segment(cursor, loc.offset, None))
         if loc.length:
             segments.append(_Segment(loc.offset, stop, (index, loc)))
         elif loc.crc32c != 0:  # nothing to read: the checksum of no bytes is 0
-            problems.append(f"checksum mismatch for {_describe(index, loc)}: stored {loc.crc32c:08x} for no bytes")
+            problems.append(f"checksum mismatch for {describe_item(index, loc)}: stored {loc.crc32c:08x} for no bytes")
         nbytes += loc.length
         cursor = stop
     if cursor < size:
