@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 .PHONY: demo test build system-deps clean lint asan
 
 demo: build
-	$(PY) -m fp_dcp.bench
+	$(PY) -m fp_dcp bench
 
 test: lint
 	FP_DCP_WERROR=1 $(PY) -m pytest -q
@@ -42,12 +42,13 @@ clean:
 
 # ---- code health: lint runs with every `make test`; asan before each release ----
 
-LINTED := fp_dcp tests scripts bench examples
+LINTED := fp_dcp tests benchmarks examples
 
 lint: build
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # The C engine's tests against an AddressSanitizer build of fp_dcp._cio, made in a scratch copy of the
 # tree (the normal build stays as it is). The interpreter is not instrumented, so libasan is preloaded;

@@ -1,15 +1,31 @@
 """Builds fp_dcp._cio from cio/cio.c, linked against liburing when its headers are present.
 
 FP_DCP_WITHOUT_LIBURING=1 builds without io_uring (the threads engine is then
-used); FP_DCP_WERROR=1 turns compiler warnings into errors (CI).
+used); FP_DCP_WERROR=1 turns compiler warnings into errors (CI). The CUDA
+sources in cuda/ (not a Python package) are copied into the built package as
+fp_dcp/gpu/kernels/, so that wheels ship the gather kernel.
 """
 
 import os
 import shlex
+import shutil
 import subprocess
 import sysconfig
+from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+KERNELS = Path(__file__).resolve().parent / "cuda"
+
+
+class BuildWithKernels(build_py):
+    def run(self) -> None:
+        super().run()
+        target = Path(self.build_lib) / "fp_dcp" / "gpu" / "kernels"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in sorted(KERNELS.glob("*.cu")):
+            shutil.copyfile(source, target / source.name)
 
 _PROBE = b"#include <liburing.h>\nint main(void) { struct io_uring r; return io_uring_queue_init(1, &r, 0); }\n"
 
@@ -28,6 +44,7 @@ if os.environ.get("FP_DCP_WERROR") == "1":
     flags.append("-Werror")
 
 setup(
+    cmdclass={"build_py": BuildWithKernels},
     ext_modules=[
         Extension(
             "fp_dcp._cio",

@@ -7,6 +7,11 @@ Use it as DCP's storage layer::
 
     dcp.save(state_dict, storage_writer=FastPersistWriter("/nvme/ckpt/step-100"))
     dcp.load(state_dict, storage_reader=FastPersistReader("/nvme/ckpt/step-100"))
+
+The package is layered (docs/design.md has the map): ``io`` moves bytes and
+knows nothing of torch; ``format`` turns bytes into objects; ``checkpoint``
+opens a checkpoint; ``save`` and ``load`` are the two DCP sides; ``gpu`` stages
+device memory; ``training`` runs checkpoints in a loop; ``tools`` are the CLI.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 from . import errors
 from .config import IOConfig
 from .errors import *  # noqa: F403  (the exception types are part of the public API)
-from .info import engine_info
-from .overlap import OverlappedCheckpointer
-from .planner import FastPersistSavePlanner
-from .reader import FastPersistReader, LoadSummary
-from .staging import SaveCancelledError
-from .writer import FastPersistWriter, SaveSummary
+from .io.info import engine_info
+from .load.reader import FastPersistReader, LoadSummary
+from .load.verify import VerifyReport, verify_checkpoint
+from .save.planner import FastPersistSavePlanner
+from .save.writer import FastPersistWriter, SaveSummary
+from .training.overlap import OverlappedCheckpointer
 
 __version__ = "0.1.0"
 
@@ -31,7 +36,8 @@ __all__ = [
     "SaveSummary",
     "LoadSummary",
     "engine_info",
+    "verify_checkpoint",
+    "VerifyReport",
     "OverlappedCheckpointer",
-    "SaveCancelledError",
     *errors.__all__,
 ]

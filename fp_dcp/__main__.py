@@ -1,8 +1,8 @@
-"""``python -m fp_dcp``: the ``fp-dcp`` command (see ``fp_dcp.cli``)."""
+"""``python -m fp_dcp``: the ``fp-dcp`` command (see ``fp_dcp.tools.cli``)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

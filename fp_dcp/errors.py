@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointReplacedError",
     "UnsupportedTensorError",
+    "SaveCancelledError",
 ]
 
 
@@ -49,3 +50,7 @@ class CheckpointReplacedError(CheckpointError):
 
 class UnsupportedTensorError(CheckpointError, TypeError):
     """A state-dict entry is a tensor kind fp-dcp cannot store as raw bytes."""
+
+
+class SaveCancelledError(CheckpointError):
+    """The save was stopped by ``FastPersistWriter.cancel()``; nothing of it was published."""

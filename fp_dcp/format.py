@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import re
 import struct
 import sys
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
 from . import _cio
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .units import PAGE, align_up
 
 __all__ = [
     "FORMAT_VERSION",
@@ -42,7 +44,7 @@ __all__ = [
     "layout",
     "encode_metadata",
     "decode_metadata",
-    "read_metadata_file",
+    "is_fp_metadata",
 ]
 
 FORMAT_NAME = "fp-dcp"
@@ -51,7 +53,6 @@ METADATA_NAME = ".metadata"
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
 
-PAGE = 4096
 SMALL_ALIGN = 64  # small items are packed tightly, at cache-line (and any dtype's) alignment
 
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]{8,32})\.distcp$")
@@ -76,6 +77,11 @@ def parse_data_file_name(name: str) -> tuple[int, int, str] | None:
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
+def chunk_nbytes(sizes: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes a tensor chunk of ``sizes`` occupies on disk: its elements, nothing else."""
+    return math.prod(sizes) * dtype.itemsize
+
+
 def stored_nbytes(item: WriteItem) -> int | None:
     """Bytes a tensor WriteItem occupies on disk (its chunk, not the whole tensor); None for byte items.
 
@@ -84,7 +90,7 @@ def stored_nbytes(item: WriteItem) -> int | None:
     data = item.tensor_data
     if data is None:
         return None
-    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return chunk_nbytes(data.chunk.sizes, data.properties.dtype)
 
 
 def describe_item(index: MetadataIndex, loc: ItemLocation) -> str:
@@ -103,10 +109,6 @@ def file_index(name: str) -> int:
     if parsed is None:
         raise ValueError(f"{name!r} is not an fp-dcp data file name")
     return parsed[1]
-
-
-def align_up(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 def layout(items: list[tuple[int, int | None]], large: int) -> tuple[list[int], int]:
@@ -150,12 +152,7 @@ def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra:
 
 def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
-    if len(data) < _TRAILER.size or data[-8:] != TRAILER_MAGIC:
-        if is_stock_dcp(data):
-            raise IncompatibleCheckpointError(
-                f"{where} belongs to a torch FileSystemWriter checkpoint, not an fp-dcp one: "
-                "load it with torch.distributed.checkpoint.FileSystemReader"
-            )
+    if not is_fp_metadata(data):
         raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
     footer_len, footer_crc, _ = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
     footer_end = len(data) - _TRAILER.size
@@ -184,28 +181,6 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     return metadata, footer
 
 
-def is_stock_dcp(data: bytes) -> bool:
-    """Whether ``.metadata`` bytes are torch FileSystemWriter's: a pickle whose storage entries have a relative_path."""
-    if data.endswith(TRAILER_MAGIC):
-        return False
-    try:
-        metadata = pickle.loads(data)
-        return isinstance(metadata, Metadata) and all(
-            hasattr(v, "relative_path") for v in metadata.storage_data.values()
-        )
-    except Exception:
-        return False
-
-
-def read_metadata_file(directory: str) -> tuple[str, bytes]:
-    """The path and bytes of a checkpoint directory's ``.metadata``; NotACheckpointError if there is none."""
-    if not os.path.isdir(directory):
-        raise NotACheckpointError(f"{directory} is not a directory, so not a checkpoint")
-    path = os.path.join(directory, METADATA_NAME)
-    try:
-        with open(path, "rb") as f:
-            return path, f.read()
-    except FileNotFoundError:
-        raise NotACheckpointError(
-            f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
-        ) from None
+def is_fp_metadata(data: bytes) -> bool:
+    """Whether ``.metadata`` bytes end in fp-dcp's trailer (checksums are checked by ``decode_metadata``)."""
+    return len(data) >= _TRAILER.size and data.endswith(TRAILER_MAGIC)

@@ -17,7 +17,7 @@ import torch
 from . import _cio
 from .errors import UnsupportedTensorError
 
-__all__ = ["check_storable", "byte_view", "ByteSource", "ByteSink"]
+__all__ = ["check_storable", "plain_layout", "byte_view", "ByteSource", "ByteSink"]
 
 
 def check_storable(tensor: torch.Tensor, fqn: str) -> None:
@@ -35,9 +35,14 @@ def check_storable(tensor: torch.Tensor, fqn: str) -> None:
         raise UnsupportedTensorError(f"cannot checkpoint {fqn!r}: {problem}")
 
 
+def plain_layout(tensor: torch.Tensor) -> bool:
+    """True when the tensor's memory holds its bytes in C order (contiguous, no lazy conjugate or negation)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
 def _in_place(tensor: torch.Tensor) -> bool:
     """True when the tensor's memory already holds its bytes in C order on the host."""
-    return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    return tensor.device.type == "cpu" and plain_layout(tensor)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -66,8 +71,8 @@ class ByteSource:
     In-place CPU tensors and byte strings are one memory block; anything else
     (non-contiguous, conjugate views, other devices) is materialized on the
     host in slabs of at most ``slab_bytes``, one slab at a time. A CUDA
-    tensor is also kept as ``device_tensor``, so that the write pipeline can
-    copy it through ``fp_dcp.staging`` (side stream, pinned buffers) instead.
+    tensor is also kept as ``device_tensor``, so that the write pipeline's
+    ``DeviceCopier`` can copy it (side stream, pinned buffers) instead.
     """
 
     def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int) -> None:

@@ -16,9 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import save
 
-from fp_dcp import bench, plot
-from fp_dcp.cli import ProgressBar, build_parser, human, main
-from fp_dcp.progress import progress_text
+from fp_dcp.io.progress import progress_text
+from fp_dcp.tools import bench, plot
+from fp_dcp.tools.cli import ProgressBar, build_parser, main
+from fp_dcp.tools.inspect import human
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -77,7 +78,7 @@ def test_every_command_is_documented_with_an_example():
 
 def test_installed_as_console_script_and_module(tmp_path):
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name="fp-dcp")
-    assert entry.value == "fp_dcp.cli:main"
+    assert entry.value == "fp_dcp.tools.cli:main"
     out = subprocess.run(
         [sys.executable, "-m", "fp_dcp", "--version"], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout

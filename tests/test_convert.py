@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from fp_dcp import FastPersistReader, FastPersistWriter
-from fp_dcp.cli import inspect_checkpoint
-from fp_dcp.convert import FORMATS, convert, detect_format, read_state_dict
 from fp_dcp.errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
+from fp_dcp.tools.convert import FORMATS, convert, detect_format, read_state_dict
+from fp_dcp.tools.inspect import inspect_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
 
@@ -265,6 +265,8 @@ def test_reads_fp_checkpoint_with_data_dirs(tmp_path):
         warnings.simplefilter("ignore")
         save(state, tmp_path / "ckpt", data_dirs=dirs, lanes_per_dir=2)
     with pytest.raises(NotACheckpointError, match="data_dirs"):
-        convert(tmp_path / "ckpt", tmp_path / "out.pt", to="torch")
-    convert(tmp_path / "ckpt", tmp_path / "out.pt", to="torch", data_dirs=dirs)
+        convert(tmp_path / "ckpt", tmp_path / "out.pt", to="torch", data_dirs=dirs[:1])
+    convert(tmp_path / "ckpt", tmp_path / "out.pt", to="torch")  # found where the save put them
+    assert_same_state(torch.load(tmp_path / "out.pt"), state)
+    convert(tmp_path / "ckpt", tmp_path / "out.pt", to="torch", data_dirs=dirs, overwrite=True)
     assert_same_state(torch.load(tmp_path / "out.pt"), state)

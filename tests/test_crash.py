@@ -1,4 +1,7 @@
-"""Crash trials, CI-sized: SIGKILL a save in every step, fresh and overwriting, then load (scripts/crash_trials.py)."""
+"""Crash trials, CI-sized: SIGKILL a save in every step, fresh and overwriting, then load.
+
+The harness is benchmarks/crash_trials.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import crash_trials  # a script, not a package: found through the path above
 

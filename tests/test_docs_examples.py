@@ -5,7 +5,7 @@ opening backticks), nothing else:
 
 - ``python``: executed. The blocks of one file run in order in one namespace.
 - ``console``: each line ``$ fp-dcp ARGS`` is run (in-process, through
-  ``fp_dcp.cli.main``) and what it prints, stdout and stderr together, must
+  ``fp_dcp.tools.cli.main``) and what it prints, stdout and stderr together, must
   match the lines below it up to the next ``$``. Numbers, hex digests and
   UUIDs are ignored, as are differences in spacing; a line ``...`` matches
   any number of lines. ``# exit N`` at the end of a command line is the exit
@@ -41,7 +41,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistWriter, _cio, cli
+from fp_dcp import FastPersistWriter, _cio
+from fp_dcp.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])

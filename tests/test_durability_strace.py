@@ -32,8 +32,7 @@ import torch
 from conftest import save
 
 from fp_dcp import IOConfig, _cio
-from fp_dcp.format import decode_metadata
-from fp_dcp.placement import locate_files
+from fp_dcp.checkpoint import open_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed (make test installs it)")
 
@@ -177,6 +176,4 @@ def test_durable_steps_in_syscall_order(tmp_path, engine, layout):
 
 def files_of(path: str, data_dirs: list[str] | None) -> set[str]:
     """Full paths of the data files the published checkpoint at ``path`` lists."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        _, footer = decode_metadata(f.read(), path)
-    return set(locate_files(path, data_dirs, footer).values())
+    return set(open_checkpoint(path, data_dirs).files.values())

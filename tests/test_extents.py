@@ -12,9 +12,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from fp_dcp import FastPersistReader, _cio
-from fp_dcp.extents import Piece, plan_extents
 from fp_dcp.format import layout
-from fp_dcp.unpacker import byte_runs
+from fp_dcp.io.extents import Piece, plan_extents
+from fp_dcp.load.pipeline import byte_runs
 
 
 def random_layout(rng: random.Random, n: int) -> list[Piece]:

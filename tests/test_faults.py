@@ -27,8 +27,8 @@ from test_misuse import long_path
 from test_roundtrip import ENGINES
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, engine, engine_info
-from fp_dcp.verify import verify_checkpoint
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, engine_info, verify_checkpoint
+from fp_dcp.io import engine
 
 
 def open_fds() -> dict[int, str]:
@@ -258,7 +258,7 @@ SECCOMP_CHILD = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch, torch.distributed.checkpoint as dcp
     from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, engine_info
-    from fp_dcp.engine import create_engine
+    from fp_dcp.io.engine import create_engine
     out = {"seccomp": open("/proc/self/status").read().split("Seccomp:")[1].split()[0], "info": engine_info()}
     try:
         create_engine(IOConfig(engine="io_uring"))

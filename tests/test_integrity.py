@@ -16,10 +16,10 @@ from fp_dcp import (
     CorruptCheckpointError,
     FastPersistReader,
     FastPersistWriter,
-    commit,
-    engine,
-    packer,
 )
+from fp_dcp.io import engine
+from fp_dcp.save import commit
+from fp_dcp.save import pipeline as packer
 
 
 def state_of(value: float) -> dict:

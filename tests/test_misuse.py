@@ -28,12 +28,12 @@ from fp_dcp import (
     IOConfig,
     NotACheckpointError,
     UnsupportedTensorError,
-    writer,
+    verify_checkpoint,
 )
-from fp_dcp import reader as reader_module
-from fp_dcp.verify import verify_checkpoint
+from fp_dcp.load import reader as reader_module
+from fp_dcp.save import writer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import crash_trials  # the harness's versioned state dicts and digests
 

@@ -9,7 +9,7 @@ import torch
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import CorruptCheckpointError, FastPersistReader, NotACheckpointError
+from fp_dcp import CorruptCheckpointError, FastPersistReader, NotACheckpointError, verify_checkpoint
 
 
 def state_of(value: float) -> dict:
@@ -39,14 +39,19 @@ def test_files_are_striped_over_data_dirs_and_lanes(tmp_path):
     assert_loads(tmp_path / "step-1", 1, data_dirs=dirs)
 
 
-def test_reader_needs_the_data_dirs_and_names_what_is_missing(tmp_path):
+def test_reader_finds_the_data_dirs_or_names_what_is_missing(tmp_path):
     dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
     save(state_of(2), tmp_path / "ckpt", data_dirs=dirs)
-    with pytest.raises(NotACheckpointError, match="pass the same list as data_dirs="):
-        FastPersistReader(tmp_path / "ckpt").read_metadata()
+    assert_loads(tmp_path / "ckpt", 2)  # where the save put them: no need to be told
     moved = tmp_path / "mnt" / "nvme1"
     moved.parent.mkdir()
     shutil.move(dirs[1], moved)
+    with pytest.raises(CheckpointException) as e:
+        assert_loads(tmp_path / "ckpt", 2)  # not where the save put it, not beside the checkpoint
+    err = failure(e)
+    assert isinstance(err, CorruptCheckpointError) and "missing" in str(err) and str(dirs[1]) in str(err)
+    with pytest.raises(NotACheckpointError, match="pass that many directories as data_dirs="):
+        FastPersistReader(tmp_path / "ckpt", data_dirs=dirs[:1]).read_metadata()
     with pytest.raises(CorruptCheckpointError, match=r"data directory .*nvme1 \(data_dirs\[1\]\) is missing"):
         FastPersistReader(tmp_path / "ckpt", data_dirs=dirs).read_metadata()
     assert_loads(tmp_path / "ckpt", 2, data_dirs=[dirs[0], moved])  # mounted elsewhere, same order
@@ -56,6 +61,33 @@ def test_reader_needs_the_data_dirs_and_names_what_is_missing(tmp_path):
         assert_loads(tmp_path / "ckpt", 2, data_dirs=[dirs[0], moved])
     err = failure(e)
     assert isinstance(err, CorruptCheckpointError) and "missing" in str(err) and lost.name in str(err)
+
+
+@pytest.mark.parametrize("layout", ["plain", "lanes", "data_dirs"])
+def test_a_checkpoint_copied_elsewhere_loads_without_being_told(tmp_path, layout):
+    """Relocation: a run's tree copied (or mounted) elsewhere as a whole, the original gone."""
+    run = tmp_path / "run"
+    kwargs = {
+        "plain": {},
+        "lanes": {"lanes_per_dir": 3},
+        "data_dirs": {"data_dirs": [run / "nvme0", run / "nvme1"], "lanes_per_dir": 2},
+    }[layout]
+    save(state_of(5), run / "ckpt", **kwargs)
+    shutil.copytree(run, tmp_path / "elsewhere")
+    shutil.rmtree(run)
+    assert_loads(tmp_path / "elsewhere" / "ckpt", 5)
+    assert verify_checkpoint(tmp_path / "elsewhere" / "ckpt").ok
+
+
+def test_data_files_gathered_beside_the_metadata_are_found(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    save(state_of(6), tmp_path / "ckpt", data_dirs=dirs, lanes_per_dir=2)
+    for f in [f for d in dirs for f in d.rglob("*.distcp")]:
+        shutil.move(f, tmp_path / "ckpt" / f.name)
+    for d in dirs:
+        shutil.rmtree(d)
+    assert_loads(tmp_path / "ckpt", 6)
+    assert verify_checkpoint(tmp_path / "ckpt").ok
 
 
 def test_checkpoints_sharing_data_dirs_keep_their_own_files(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from fp_dcp.planner import deal
+from fp_dcp.io.dealing import deal
 
 
 def test_items_with_one_holder_stay_and_the_rest_even_out():

@@ -23,13 +23,13 @@ from dist_util import run_ranks
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
-import fp_dcp.writer
-from fp_dcp import FastPersistWriter, IOConfig, SaveCancelledError, commit
-from fp_dcp.engine import Engine, ThreadEngine, UringEngine
-from fp_dcp.extents import Window
+import fp_dcp.save.writer
+from fp_dcp import FastPersistSavePlanner, FastPersistWriter, IOConfig, SaveCancelledError
 from fp_dcp.format import METADATA_NAME
-from fp_dcp.planner import FastPersistSavePlanner
-from fp_dcp.staging import Session, Staging
+from fp_dcp.gpu.streaming import Staging, StreamingCopier
+from fp_dcp.io.engine import Engine, ThreadEngine, UringEngine
+from fp_dcp.io.extents import Window
+from fp_dcp.save import commit
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,7 +67,7 @@ class CpuAsDevice(Staging):
 
 def writer_with(monkeypatch, staging_class, path, **kwargs) -> FastPersistWriter:
     with monkeypatch.context() as m:
-        m.setattr(fp_dcp.writer, "Staging", staging_class)
+        m.setattr(fp_dcp.save.writer, "Staging", staging_class)
         return FastPersistWriter(path, **kwargs)
 
 
@@ -103,13 +103,13 @@ def pool_of(writer: FastPersistWriter):
 def test_device_path_writes_the_bytes_the_host_path_writes(tmp_path, monkeypatch, config, paths):
     calls = {"gather": 0, "copy": 0}
     for name in calls:
-        original = getattr(Session, f"_{name}")
+        original = getattr(StreamingCopier, f"_{name}")
 
         def spy(self, *args, _original=original, _name=name):
             calls[_name] += 1
             return _original(self, *args)
 
-        monkeypatch.setattr(Session, f"_{name}", spy)
+        monkeypatch.setattr(StreamingCopier, f"_{name}", spy)
     state = mixed_state()
     dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "host", config=config))
     assert calls == {"gather": 0, "copy": 0}
@@ -415,7 +415,7 @@ def test_gpu_state_round_trips_with_the_checksums_of_its_host_copy(tmp_path, con
 def test_gpu_gather_kernel_when_cupy_is_present(tmp_path):
     pytest.importorskip("cupy")
     staging = Staging(IOConfig())
-    lane = staging.lane(torch.device("cuda", torch.cuda.current_device()))
+    side = staging.side_stream(torch.device("cuda", torch.cuda.current_device()))
     sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for n in (1, 15, 16, 17, 4096, 12_345)]
     sources.append(torch.randint(0, 256, (1000,), dtype=torch.uint8, device="cuda")[3:700])  # misaligned view
     offsets, cursor = [], 0
@@ -424,10 +424,10 @@ def test_gpu_gather_kernel_when_cupy_is_present(tmp_path):
         cursor += s.numel() + 5 + cursor % 7
     out = torch.zeros(cursor, dtype=torch.uint8, device="cuda")
     keep: list = []
-    lane.wait_for(torch.cuda.current_stream().record_event())  # the inputs were made on the default stream
-    with lane.context():
-        staging.gather()(lane, list(zip(sources, offsets, strict=True)), out, keep)
-        lane.record().synchronize()
+    side.wait_for(torch.cuda.current_stream().record_event())  # the inputs were made on the default stream
+    with side.context():
+        staging.gather()(side, list(zip(sources, offsets, strict=True)), out, keep)
+        side.record().synchronize()
     expected = torch.zeros_like(out)
     for s, o in zip(sources, offsets, strict=True):
         expected[o : o + s.numel()] = s
@@ -451,8 +451,8 @@ def test_gpu_side_stream_waits_for_the_values(tmp_path):
     target = {"x": torch.zeros(4 << 20)}
     load(target, tmp_path)
     assert torch.all(target["x"] == 7.0)
-    lane = writer._staging.lane(x.device)
-    assert lane.stream != producer and lane.stream != torch.cuda.default_stream()
+    side = writer._staging.side_stream(x.device)
+    assert side.stream != producer and side.stream != torch.cuda.default_stream()
 
 
 @pytest.mark.gpu
@@ -479,7 +479,7 @@ def test_gpu_async_save_captures_the_values_of_its_step(tmp_path, mode):
 @pytest.mark.gpu
 @cuda
 def test_gpu_streaming_host_memory_is_bounded_by_the_pool(tmp_path):
-    from fp_dcp.bench import PeakRSS
+    from fp_dcp.tools.bench import PeakRSS
 
     state = {f"w{i}": torch.randn(64 << 20, device="cuda") for i in range(4)}  # 1 GiB on the GPU
     config = IOConfig(buffer_size=16 << 20, num_buffers=4)

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from fp_dcp import IOConfig, tune
-from fp_dcp.cli import main
-from fp_dcp.config import MiB
+from fp_dcp import IOConfig
+from fp_dcp.tools import tune
+from fp_dcp.tools.cli import main
+from fp_dcp.units import MiB
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

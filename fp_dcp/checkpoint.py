@@ -1,0 +1,178 @@
+"""Opening a checkpoint directory: once, for every tool that reads one.
+
+``open_checkpoint`` reads ``.metadata`` once, tells an fp-dcp checkpoint
+from a torch ``FileSystemWriter`` one (the stock ``.metadata`` is unpickled
+once, here), checks fp-dcp's checksums, and says where every data file is
+now. The reader, ``verify``, ``convert``, ``inspect`` and the commit
+protocol all start here.
+
+Where the data files are: without ``data_dirs`` at save time, beside
+``.metadata``. With them, file ``name`` with footer entry ``dir = i`` is
+``data_dirs[i]/<data_subdir>/<name>``. A checkpoint may have moved since
+(copied with its data directories, or to another mount), so the directories
+are tried in this order:
+
+1. the ``data_dirs`` the caller gives, if any (the new locations, in the
+   order of the save's list): only these;
+2. otherwise, the save-time data directory placed relative to the checkpoint
+   as it was at save time (``storage_meta.checkpoint_id``), applied to the
+   checkpoint's path now: a tree copied or mounted elsewhere as a whole;
+3. the save-time data directory itself;
+4. the checkpoint directory (data files gathered beside ``.metadata``), and
+   its ``<data_subdir>`` subdirectory.
+
+The first that holds the file wins; if none does, the path of rule 2 is
+given, and reading it reports the missing file with the items it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import _cio
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
+from .format import METADATA_NAME, decode_metadata, is_fp_metadata
+
+__all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files"]
+
+Kind = Literal["fp", "dcp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint as read from its ``.metadata``.
+
+    Attributes:
+        path: the checkpoint directory.
+        kind: ``"fp"`` (written by ``FastPersistWriter``) or ``"dcp"`` (torch ``FileSystemWriter``).
+        metadata: DCP's ``Metadata``.
+        footer: fp-dcp's footer (docs/format.md); None for ``"dcp"``.
+        files: data file name -> its path now, for every file the checkpoint references.
+        file_sizes: data file name -> its size as written (fp-dcp only; empty for ``"dcp"``).
+        metadata_crc: CRC-32C of the ``.metadata`` bytes read (a later save changes it).
+    """
+
+    path: str
+    kind: Kind
+    metadata: Metadata
+    footer: dict[str, Any] | None
+    files: dict[str, str]
+    file_sizes: dict[str, int]
+    metadata_crc: int
+
+
+def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
+    """The path and bytes of a checkpoint directory's ``.metadata``; NotACheckpointError if there is none."""
+    if not os.path.isdir(directory):
+        raise NotACheckpointError(f"{directory} is not a directory, so not a checkpoint")
+    path = os.path.join(directory, METADATA_NAME)
+    try:
+        with open(path, "rb") as f:
+            return path, f.read()
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
+        ) from None
+
+
+def _stock_metadata(data: bytes) -> Metadata | None:
+    """The ``Metadata`` in torch FileSystemWriter ``.metadata`` bytes (entries with a relative_path), else None."""
+    try:
+        metadata = pickle.loads(data)
+    except Exception:  # any unpickling failure means: not a stock checkpoint's metadata
+        return None
+    if isinstance(metadata, Metadata) and all(hasattr(v, "relative_path") for v in metadata.storage_data.values()):
+        return metadata
+    return None
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str], data_dirs: Sequence[str | os.PathLike[str]] | None = None
+) -> Checkpoint:
+    """Read and check the checkpoint at ``path``; ``data_dirs``: where its data directories are now, if moved.
+
+    Raises:
+        NotACheckpointError: no ``.metadata`` there.
+        CorruptCheckpointError: ``.metadata`` fails its checksums, or is neither fp-dcp's nor torch's.
+        IncompatibleCheckpointError: a newer fp-dcp format version, or the other byte order.
+    """
+    directory = os.fspath(path)
+    where, data = read_metadata_bytes(directory)
+    crc = _cio.crc32c(data)
+    if not is_fp_metadata(data):
+        stock = _stock_metadata(data)
+        if stock is None:
+            raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
+        names = {info.relative_path for info in stock.storage_data.values()}
+        files = {name: os.path.join(directory, name) for name in names}
+        return Checkpoint(directory, "dcp", stock, None, files, {}, crc)
+    metadata, footer = decode_metadata(data, where)
+    files = _locate(directory, metadata, footer, data_dirs)
+    sizes = {name: entry["size"] for name, entry in footer["files"].items()}
+    return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc)
+
+
+def _locate(
+    directory: str, metadata: Metadata, footer: dict[str, Any], data_dirs: Sequence[str | os.PathLike[str]] | None
+) -> dict[str, str]:
+    given = [os.fspath(d) for d in data_dirs] if data_dirs else []
+    recorded: list[str] = footer.get("data_dirs") or []
+    subdir = footer.get("data_subdir") or ""
+    saved_at = os.fspath(metadata.storage_meta.checkpoint_id or "") if metadata.storage_meta is not None else ""
+    paths = {}
+    for name, entry in footer["files"].items():
+        index = entry["dir"]
+        if index is None:
+            paths[name] = os.path.join(directory, name)
+        elif given:
+            paths[name] = _given(directory, given, index, subdir, name, recorded)
+        else:
+            candidates = []
+            if os.path.isabs(saved_at) and os.path.isabs(recorded[index]):
+                moved = os.path.join(directory, os.path.relpath(recorded[index], saved_at))
+                candidates.append(os.path.join(os.path.normpath(moved), subdir, name))
+            candidates += [
+                os.path.join(recorded[index], subdir, name),
+                os.path.join(directory, name),
+                os.path.join(directory, subdir, name),
+            ]
+            paths[name] = next((c for c in candidates if os.path.exists(c)), candidates[0])
+    return paths
+
+
+def _given(directory: str, given: list[str], index: int, subdir: str, name: str, recorded: list[str]) -> str:
+    if index >= len(given):
+        raise NotACheckpointError(
+            f"the data files of {directory} were written to data_dirs {recorded} "
+            f"(file {name} in entry {index}); pass that many directories as data_dirs= to the reader, "
+            f"in the same order (got {given})"
+        )
+    if not os.path.isdir(given[index]):
+        raise CorruptCheckpointError(f"data directory {given[index]} (data_dirs[{index}]) is missing; it holds {name}")
+    return os.path.join(given[index], subdir, name)
+
+
+def published_files(directory: str) -> set[str]:
+    """Names of the data files the checkpoint now published in ``directory`` lists; empty if none is readable.
+
+    The commit protocol removes these once a new checkpoint replaces it; a
+    damaged ``.metadata`` lists nothing, so nothing is removed on its word.
+    """
+    try:
+        _, data = read_metadata_bytes(directory)
+    except NotACheckpointError:
+        return set()
+    if not is_fp_metadata(data):
+        stock = _stock_metadata(data)
+        return {info.relative_path for info in stock.storage_data.values()} if stock is not None else set()
+    try:
+        _, footer = decode_metadata(data, directory)
+    except (CorruptCheckpointError, IncompatibleCheckpointError):
+        return set()
+    return set(footer["files"])

@@ -1,0 +1,339 @@
+"""I/O engines: move byte ranges between memory and files, asynchronously.
+
+Two engines with one interface and the same on-disk result:
+
+- ``UringEngine``: requests go through one io_uring ring (``fp_dcp._cio``),
+  up to ``queue_depth`` in flight, pool buffers registered as fixed buffers.
+  Submission never blocks; ``wait`` reaps completions with the GIL released.
+- ``ThreadEngine``: positional reads and writes from a small thread pool, for
+  kernels or sandboxes that refuse io_uring (Docker's default seccomp
+  profile, ``kernel.io_uring_disabled``) and builds without liburing.
+
+Requests larger than ``block_size`` are split; a short transfer is resumed;
+a failure surfaces from ``wait`` as ``OSError`` carrying errno and the path.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .. import _cio
+from ..config import IOConfig
+from ..log import log_once
+from .buffers import BufferPool
+from .files import DataFile
+
+__all__ = ["ShortReadError", "Ticket", "Engine", "UringEngine", "ThreadEngine", "IOResources", "create_engine"]
+
+FAULT_ENV = "FP_DCP_FAULT_AT"
+
+
+class ShortReadError(OSError):
+    """A read found the end of the file before the bytes it asked for (the file is shorter than expected)."""
+
+
+def _io_error(err: int, op: str, nbytes: int, offset: int, path: str) -> OSError:
+    return OSError(err, f"{os.strerror(err)} ({op} of {nbytes} bytes at offset {offset})", path)
+
+
+def _short_read(path: str, nbytes: int, offset: int) -> ShortReadError:
+    return ShortReadError(errno_mod.EIO, f"file ends before byte {offset + nbytes} (truncated?)", path)
+
+
+class Ticket:
+    """Completion handle of one ``write``/``read``/``sync`` call."""
+
+    __slots__ = ("pending", "error", "futures")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.error: BaseException | None = None
+        self.futures: list[Future[None]] = []
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+
+class Engine(ABC):
+    """Moves byte ranges between memory and ``DataFile`` objects.
+
+    ``write``/``read`` queue the transfer and return at once; the memory must
+    stay untouched until ``wait`` on the returned ticket has returned.
+    ``fallback_reason`` says why ``auto`` did not pick io_uring (None if it did).
+    """
+
+    name: str
+
+    def __init__(self, config: IOConfig) -> None:
+        self.block_size = config.block_size
+        self.fallback_reason: str | None = None
+        # Test hook (documented in docs/reliability.md): the k-th request fails with EIO.
+        fault = os.environ.get(FAULT_ENV)
+        self.fault_at: int | None = int(fault) if fault else None
+        self._requests = 0
+
+    def write(self, file: DataFile, data: memoryview, offset: int) -> Ticket:
+        return self._transfer(True, file, data, offset)
+
+    def read(self, file: DataFile, into: memoryview, offset: int) -> Ticket:
+        return self._transfer(False, file, into, offset)
+
+    def _transfer(self, is_write: bool, file: DataFile, view: memoryview, offset: int) -> Ticket:
+        ticket = Ticket()
+        step = self.block_size
+        for start in range(0, len(view), step):
+            self._requests += 1
+            block = view[start : start + step]
+            if self._requests == self.fault_at:
+                ticket.fail(
+                    _io_error(errno_mod.EIO, "injected fault in request", len(block), offset + start, file.path)
+                )
+                continue
+            self._queue(ticket, is_write, file, block, offset + start)
+        self._kick()
+        return ticket
+
+    @abstractmethod
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None: ...
+
+    def _kick(self) -> None:  # noqa: B027 (optional hook: engines that queue in the kernel need none)
+        """Hand queued requests to the kernel without waiting."""
+
+    @abstractmethod
+    def wait(self, ticket: Ticket) -> None:
+        """Block until every request of ``ticket`` is done; raise its first error."""
+
+    @abstractmethod
+    def sync(self, files: Sequence[DataFile]) -> None:
+        """fsync every file (in parallel where the engine can), raising the first error."""
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Wait for every request in flight, ignoring errors (failure paths)."""
+
+    def register_buffers(self, buffers: Sequence[memoryview]) -> None:  # noqa: B027 (optional hook)
+        """Tell the engine which buffers will be used again and again."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def describe(self) -> str:
+        return self.name if self.fallback_reason is None else f"{self.name} ({self.fallback_reason})"
+
+
+class _Request:
+    __slots__ = ("ticket", "is_write", "file", "view", "offset")
+
+    def __init__(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview | None, offset: int) -> None:
+        self.ticket = ticket
+        self.is_write = is_write
+        self.file = file
+        self.view = view
+        self.offset = offset
+
+
+class UringEngine(Engine):
+    name = "io_uring"
+
+    def __init__(self, config: IOConfig) -> None:
+        super().__init__(config)
+        self.ring = _cio.Ring(config.queue_depth)  # OSError when the kernel refuses
+        self.backlog: deque[_Request] = deque()  # queued, not yet in the ring
+
+    def register_buffers(self, buffers: Sequence[memoryview]) -> None:
+        try:
+            self.ring.register_buffers(list(buffers))
+        except OSError as e:  # e.g. RLIMIT_MEMLOCK for unprivileged users: plain requests work too
+            log_once(f"fp-dcp: io_uring buffer registration refused ({e.strerror}); continuing without")
+
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None:
+        ticket.pending += 1
+        self.backlog.append(_Request(ticket, is_write, file, view, offset))
+
+    def _kick(self) -> None:
+        ring = self.ring
+        backlog = self.backlog
+        while backlog and ring.in_flight < ring.depth:
+            req = backlog.popleft()
+            if req.view is None:
+                ring.fsync(req.file.fd, req)
+            elif req.is_write:
+                ring.write(req.file.fd, req.view, req.offset, req)
+            else:
+                ring.read(req.file.fd, req.view, req.offset, req)
+        self._complete(ring.wait(0))
+
+    def _complete(self, completions: list[tuple[_Request, int]]) -> None:
+        for req, res in completions:
+            ticket = req.ticket
+            view = req.view
+            if res < 0:
+                op = "fsync" if view is None else ("write" if req.is_write else "read")
+                ticket.fail(_io_error(-res, op, len(view) if view else 0, req.offset, req.file.path))
+            elif view is not None and res < len(view):
+                if res == 0:
+                    ticket.fail(
+                        _io_error(errno_mod.EIO, "write made no progress", len(view), req.offset, req.file.path)
+                        if req.is_write
+                        else _short_read(req.file.path, len(view), req.offset)
+                    )
+                else:  # resume a short transfer where it stopped
+                    req.view = view[res:]
+                    req.offset += res
+                    self.backlog.appendleft(req)
+                    continue
+            ticket.pending -= 1
+
+    def wait(self, ticket: Ticket) -> None:
+        while ticket.pending:
+            self._kick()
+            if not ticket.pending:
+                break
+            if self.ring.in_flight:
+                self._complete(self.ring.wait(1))
+            elif not self.backlog:
+                raise RuntimeError("fp-dcp engine: a ticket is pending with nothing in flight")
+        if ticket.error is not None:
+            raise ticket.error
+
+    def sync(self, files: Sequence[DataFile]) -> None:
+        ticket = Ticket()
+        for f in files:
+            ticket.pending += 1
+            self.backlog.append(_Request(ticket, True, f, None, 0))
+        self.wait(ticket)
+
+    def drain(self) -> None:
+        self.backlog.clear()
+        while self.ring.in_flight:
+            self._complete(self.ring.wait(self.ring.in_flight))
+        self.backlog.clear()  # resumptions queued while draining are dropped too
+
+    def close(self) -> None:
+        self.drain()
+        self.ring.close()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    start = offset
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            if n == 0:
+                raise OSError(errno_mod.EIO, "write made no progress")
+            view = view[n:]
+            offset += n
+    except OSError as e:
+        raise _io_error(e.errno or errno_mod.EIO, "write", len(view), start, path) from None
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    try:
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if n == 0:
+                raise _short_read(path, len(view), offset)
+            view = view[n:]
+            offset += n
+    except ShortReadError:
+        raise
+    except OSError as e:
+        raise _io_error(e.errno or errno_mod.EIO, "read", len(view), offset, path) from None
+
+
+def _fsync(fd: int, path: str) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        raise _io_error(e.errno or errno_mod.EIO, "fsync", 0, 0, path) from None
+
+
+class ThreadEngine(Engine):
+    name = "threads"
+
+    def __init__(self, config: IOConfig) -> None:
+        super().__init__(config)
+        self.pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="fp-dcp-io")
+        self.outstanding: set[Future[None]] = set()
+
+    def _track(self, ticket: Ticket, future: Future[None]) -> None:
+        ticket.futures.append(future)
+        self.outstanding.add(future)
+        future.add_done_callback(self.outstanding.discard)
+
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None:
+        fn = _pwrite_all if is_write else _pread_all
+        self._track(ticket, self.pool.submit(fn, file.fd, view, offset, file.path))
+
+    def wait(self, ticket: Ticket) -> None:
+        for future in ticket.futures:
+            try:
+                future.result()
+            except Exception as e:  # the first failure wins; the rest still finish
+                ticket.fail(e)
+        ticket.futures.clear()
+        if ticket.error is not None:
+            raise ticket.error
+
+    def sync(self, files: Sequence[DataFile]) -> None:
+        ticket = Ticket()
+        for f in files:
+            self._track(ticket, self.pool.submit(_fsync, f.fd, f.path))
+        self.wait(ticket)
+
+    def drain(self) -> None:
+        for future in list(self.outstanding):
+            future.exception()  # waits; the error belongs to a ticket already failed
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown(wait=True)
+
+
+def create_engine(config: IOConfig) -> Engine:
+    """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once."""
+    if config.engine == "threads":
+        return ThreadEngine(config)
+    if not _cio.HAVE_IO_URING:
+        reason = "fp_dcp._cio was built without liburing"
+    else:
+        try:
+            return UringEngine(config)
+        except OSError as e:
+            reason = f"io_uring refused by the kernel: {e.strerror}"
+    if config.engine == "io_uring":
+        raise RuntimeError(f"engine='io_uring' was requested but {reason}")
+    log_once(f"fp-dcp: using the threads engine because {reason}")
+    engine = ThreadEngine(config)
+    engine.fallback_reason = reason
+    return engine
+
+
+class IOResources:
+    """An engine and a staging-buffer pool, created on first use and kept until ``close``."""
+
+    def __init__(self, config: IOConfig) -> None:
+        self.config = config
+        self._engine: Engine | None = None
+        self._pool: BufferPool | None = None
+
+    def get(self) -> tuple[Engine, BufferPool]:
+        if self._engine is None or self._pool is None:
+            self._pool = BufferPool(self.config.buffer_size, self.config.num_buffers)
+            self._engine = create_engine(self.config)
+            self._engine.register_buffers(self._pool.views)
+        return self._engine, self._pool
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()  # first: the ring holds the buffers while registered
+            self._engine = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

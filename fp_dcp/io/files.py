@@ -1,0 +1,151 @@
+"""Opening files with or without O_DIRECT, and making files and renames durable.
+
+Each data file is opened with O_DIRECT when the filesystem allows it
+(checked, not assumed: some filesystems accept the flag and ignore it) and
+through the page cache otherwise; ``DataFile.direct`` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import fcntl
+import os
+from collections.abc import Callable
+
+from .. import _cio
+from ..log import log_once
+from ..units import PAGE
+
+__all__ = [
+    "DataFile",
+    "open_file",
+    "preallocate",
+    "fsync_path",
+    "fsync_directory",
+    "ReplaceFailedError",
+    "replace_durably",
+]
+
+# Our file layout guarantees co-alignment modulo one page; a filesystem that
+# needs more than that for direct I/O is served through the page cache.
+MAX_DIRECT_ALIGN = PAGE
+
+
+class DataFile:
+    """An open file plus how it may be accessed.
+
+    ``align`` is the alignment direct I/O needs for memory addresses, file
+    offsets and lengths (1 for buffered files).
+    """
+
+    __slots__ = ("path", "fd", "direct", "align")
+
+    def __init__(self, path: str, fd: int, direct: bool, align: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.direct = direct
+        self.align = align
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"DataFile({self.path!r}, direct={self.direct}, align={self.align})"
+
+
+def _direct_alignment(fd: int) -> int | None:
+    """Alignment O_DIRECT needs on this open file, or None if it is not in effect."""
+    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+        return None  # the filesystem silently dropped the flag
+    reported = _cio.dio_alignment(fd)
+    if reported is None:
+        return MAX_DIRECT_ALIGN  # kernel cannot tell: a page is always enough
+    mem_align, offset_align = reported
+    if not mem_align or not offset_align:
+        return None
+    align = max(mem_align, offset_align, 512)
+    return align if align <= MAX_DIRECT_ALIGN else None
+
+
+def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
+    """Open ``path`` for writing (``create``: a new file, never an existing one) or reading.
+
+    ``direct``: True requires O_DIRECT, False forbids it, None tries it and
+    falls back to the page cache when the filesystem refuses.
+    """
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if create else os.O_RDONLY
+    flags |= os.O_CLOEXEC
+    if direct is not False:
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno_mod.EINVAL:
+                raise
+            if direct:
+                raise OSError(e.errno, "filesystem refuses O_DIRECT and direct_io=True", path) from None
+            log_once(f"fp-dcp: O_DIRECT refused on {os.path.dirname(path) or '.'}; using the page cache")
+        else:
+            align = _direct_alignment(fd)
+            if align is not None:
+                return DataFile(path, fd, True, align)
+            os.close(fd)
+            if create:
+                os.unlink(path)
+            if direct:
+                raise OSError(errno_mod.EINVAL, "direct I/O is not in effect and direct_io=True", path)
+            log_once(f"fp-dcp: direct I/O not in effect on {os.path.dirname(path) or '.'}; using the page cache")
+    return DataFile(path, os.open(path, flags, 0o644), False, 1)
+
+
+def preallocate(f: DataFile, size: int) -> None:
+    """Reserve ``size`` bytes for ``f`` now: a full disk fails here, cleanly, before any data is written."""
+    try:
+        _cio.fallocate(f.fd, 0, size)
+    except OSError as e:
+        if e.errno == errno_mod.ENOSPC:
+            raise OSError(e.errno, f"no space left for a {size}-byte checkpoint file", f.path) from None
+        if e.errno not in (errno_mod.EOPNOTSUPP, errno_mod.ENOSYS):
+            raise OSError(e.errno, e.strerror, f.path) from None
+        os.ftruncate(f.fd, size)
+
+
+def fsync_path(path: str, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(directory: str) -> None:
+    """Make the names in ``directory`` (new files, renames, removals) durable."""
+    fsync_path(directory, directory=True)
+
+
+class ReplaceFailedError(OSError):
+    """The new file could not be put in place: the target still holds what it held before."""
+
+
+def replace_durably(path: str, tmp: str, write: Callable[[str], None]) -> None:
+    """Make ``path`` hold what ``write(tmp)`` writes into the new file ``tmp``, atomically and durably.
+
+    ``tmp`` (in ``path``'s directory) is written, fsynced and renamed over
+    ``path``, then the directory is fsynced. A failure before the rename
+    removes ``tmp`` and raises ``ReplaceFailedError`` for an OSError (the
+    target is untouched); a failure of the final directory fsync is raised
+    as it is, since the new file is then in place.
+    """
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise ReplaceFailedError(e.errno, f"{e.strerror} (writing {os.path.basename(path)})", tmp) from e
+        raise
+    fsync_directory(os.path.dirname(os.path.abspath(path)))

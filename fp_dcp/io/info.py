@@ -1,0 +1,46 @@
+"""What fp-dcp will use on this machine, for logs and bug reports."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from .. import _cio
+from ..config import IOConfig
+from .engine import create_engine
+from .files import open_file
+
+__all__ = ["engine_info"]
+
+
+def engine_info(directory: str | None = None, config: IOConfig | None = None) -> dict[str, Any]:
+    """The engine ``config`` resolves to here, and how files in ``directory`` will be accessed.
+
+    Returns a dict with ``engine`` (``"io_uring"`` or ``"threads"``),
+    ``fallback_reason`` (why not io_uring, or None), ``crc32c_hardware``, and
+    ``direct_io`` and ``alignment`` for files created in ``directory`` (by
+    default the temporary directory; pass the checkpoint directory, since
+    filesystems differ).
+    """
+    config = config if config is not None else IOConfig()
+    engine = create_engine(config)
+    try:
+        info: dict[str, Any] = {
+            "engine": engine.name,
+            "fallback_reason": engine.fallback_reason,
+            "crc32c_hardware": bool(_cio.CRC32C_HARDWARE),
+        }
+    finally:
+        engine.close()
+    fd, probe = tempfile.mkstemp(prefix=".fp-dcp-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+    f = open_file(probe, create=True, direct=config.direct_io)
+    try:
+        info["direct_io"] = f.direct
+        info["alignment"] = f.align
+    finally:
+        f.close()
+        os.unlink(probe)
+    return info

@@ -1,0 +1,1 @@
+"""The load side: ``FastPersistReader`` (DCP's ``StorageReader``), its read pipeline, and ``verify_checkpoint``."""

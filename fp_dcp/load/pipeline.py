@@ -1,0 +1,276 @@
+"""The read pipeline: a rank's ``ReadItem``s out of the data files.
+
+Per file, items are visited in storage order. For each, only the byte runs
+its requested region occupies are read: a whole item is one run (and its
+checksum is verified), a slice along the first dimensions is one shorter run,
+other boxes are one run per contiguous row segment; holes between runs are
+read through rather than split while that adds at most 5% to the bytes read. Runs go
+straight into the target tensor where its memory and the file offset are
+co-aligned, else through staging buffers, several extents in flight. Targets
+are resolved lazily, just before their first bytes are read, and committed
+as soon as their last bytes are in.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from .. import _cio
+from ..checkpoint import Checkpoint
+from ..config import IOConfig
+from ..errors import CorruptCheckpointError
+from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
+from ..io.buffers import BufferPool
+from ..io.engine import Engine, ShortReadError
+from ..io.extents import Extent, Piece, Window, interleave, plan_extents
+from ..io.files import DataFile, open_file
+from ..io.progress import Progress
+from ..tensors import ByteSink
+
+__all__ = ["Catalog", "read_items"]
+
+_MAX_WASTE = 0.05  # read through holes between needed runs while they add at most 5% to the bytes read
+_MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
+
+
+class Catalog:
+    """What the read pipeline needs from an fp-dcp checkpoint's metadata, indexed for lookup."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        metadata = checkpoint.metadata
+        self.locations = {index: ItemLocation._make(value) for index, value in metadata.storage_data.items()}
+        self.file_sizes = checkpoint.file_sizes
+        self.paths = checkpoint.files
+        self.chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self.chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+
+    def location(self, req: ReadItem) -> ItemLocation:
+        try:
+            return self.locations[req.storage_index]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"the checkpoint metadata has no stored bytes for {req.storage_index}"
+            ) from None
+
+
+def byte_runs(sizes: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int) -> list[tuple[int, int]]:
+    """(start, length) byte runs, in order, of the box ``offsets``/``lengths`` of a C-order array."""
+    ndim = len(sizes)
+    if ndim == 0:
+        return [(0, itemsize)]
+    if 0 in lengths:
+        return []
+    k = ndim - 1  # dimensions after k are taken whole, so each run spans them
+    while k > 0 and offsets[k] == 0 and lengths[k] == sizes[k]:
+        k -= 1
+    strides = [itemsize * math.prod(sizes[i + 1 :]) for i in range(ndim)]
+    run = lengths[k] * strides[k]
+    base = offsets[k] * strides[k]
+    starts = [base]
+    for d in range(k - 1, -1, -1):
+        starts = [s + (offsets[d] + i) * strides[d] for i in range(lengths[d]) for s in starts]
+        if len(starts) > _MAX_RUNS:
+            return []
+    starts.sort()
+    runs: list[tuple[int, int]] = []
+    for s in starts:
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + run)
+        else:
+            runs.append((s, run))
+    return runs
+
+
+class _Item:
+    """One ReadItem in flight: where its bytes go and how many have arrived."""
+
+    __slots__ = ("req", "location", "sink", "runs", "total", "done", "crc", "verify")
+
+    def __init__(self, req: ReadItem, location: ItemLocation) -> None:
+        self.req = req
+        self.location = location
+        self.sink: ByteSink | memoryview | None = None
+        self.runs: list[tuple[int, int]] = []
+        self.total = 0
+        self.done = 0
+        self.crc = 0
+        self.verify = False
+
+    def describe(self) -> str:
+        return describe_item(self.req.storage_index, self.location)
+
+
+def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) -> None:
+    """Resolve the item's destination and the byte runs it needs."""
+    req, loc = item.req, item.location
+    if req.type == LoadItemType.BYTE_IO:
+        item.sink = memoryview(bytearray(loc.length))
+        item.runs = [(0, loc.length)] if loc.length else []
+    else:
+        key = (req.storage_index.fqn, tuple(req.storage_index.offset or ()))
+        if key not in catalog.chunks:
+            raise CorruptCheckpointError(f"the checkpoint metadata describes no chunk for {item.describe()}")
+        sizes, dtype = catalog.chunks[key]
+        itemsize = dtype.itemsize
+        if chunk_nbytes(sizes, dtype) != loc.length:
+            raise CorruptCheckpointError(
+                f"stored length {loc.length} does not match shape {list(sizes)} of {dtype} for {item.describe()}"
+            )
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise ValueError(
+                f"target for {item.describe()} has shape {list(target.shape)}, "
+                f"the checkpoint region is {list(req.lengths)}"
+            )
+        runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
+        if runs or 0 in req.lengths:
+            item.sink = ByteSink(target, dtype, req.lengths)
+            item.runs = runs
+        else:  # too fragmented: read the chunk whole and narrow it in memory
+            item.sink = ByteSink(target, dtype, sizes, (req.storage_offsets, req.lengths))
+            item.runs = [(0, loc.length)]
+    item.total = sum(n for _, n in item.runs)
+    item.verify = verify and item.runs == [(0, loc.length)]
+
+
+def _finish(item: _Item, planner: LoadPlanner) -> None:
+    if item.verify and item.crc != item.location.crc32c:
+        raise CorruptCheckpointError(checksum_mismatch(item.req.storage_index, item.location, item.crc))
+    if isinstance(item.sink, memoryview):
+        planner.load_bytes(item.req, io.BytesIO(item.sink.tobytes()))
+    else:
+        assert item.sink is not None
+        planner.commit_tensor(item.req, item.sink.commit())
+
+
+def _sink_memory(item: _Item) -> memoryview:
+    sink = item.sink
+    return sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
+
+
+def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: bool) -> Iterator[Piece]:
+    for item in items:
+        _prepare(item, planner, catalog, verify)
+        if not item.total:
+            _finish(item, planner)
+            continue
+        memory = _sink_memory(item)
+        at = 0
+        for start, length in item.runs:
+            yield Piece(item.location.offset + start, length, item, at, memory[at : at + length])
+            at += length
+
+
+def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
+    files: dict[str, DataFile] = {}
+    sizes: dict[str, int] = {}
+    try:
+        for item in items:
+            name = item.location.file
+            if name in files:
+                continue
+            path = catalog.paths.get(name)
+            if path is None:
+                raise CorruptCheckpointError(
+                    f"the checkpoint footer does not list data file {name}, which holds {item.describe()}"
+                )
+            try:
+                f = open_file(path, create=False, direct=direct)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
+            files[name] = f
+            sizes[name] = os.fstat(f.fd).st_size
+            expected = catalog.file_sizes.get(name)
+            if expected is not None and sizes[name] < expected:
+                raise CorruptCheckpointError(
+                    f"data file {path} is truncated: {sizes[name]} bytes, written as {expected}; "
+                    f"it holds {item.describe()}"
+                )
+        for item in items:
+            if sizes[item.location.file] < item.location.offset + item.location.length:
+                raise CorruptCheckpointError(f"data file {item.location.file} ends before the end of {item.describe()}")
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return files
+
+
+def read_items(
+    requests: list[ReadItem],
+    planner: LoadPlanner,
+    catalog: Catalog,
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+    verify: bool,
+) -> tuple[int, int]:
+    """Read every request into its planner-resolved destination; returns (bytes read, bytes needed)."""
+    by_file: dict[str, list[_Item]] = defaultdict(list)
+    for req in requests:
+        loc = catalog.location(req)
+        by_file[loc.file].append(_Item(req, loc))
+    files = _open_all([it for items in by_file.values() for it in items], catalog, config.direct_io)
+
+    def retire(extent: Extent, buffer: memoryview | None) -> None:
+        if extent.direct is not None:
+            item = extent.direct.owner
+            if item.verify:
+                item.crc = _cio.crc32c(extent.direct.memory, item.crc)
+            _advance(item, extent.length)
+            return
+        assert buffer is not None
+        for owner, owner_offset, buf_offset, length in extent.parts:
+            dst = _sink_memory(owner)[owner_offset : owner_offset + length]
+            owner.crc = _cio.copy_crc32c(dst, buffer[buf_offset : buf_offset + length], owner.crc)
+            _advance(owner, length)
+
+    def _advance(item: _Item, n: int) -> None:
+        item.done += n
+        if item.done == item.total:
+            _finish(item, planner)
+
+    read = 0
+    progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
+    window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
+    try:
+        streams = []
+        for name, items in by_file.items():
+            f = files[name]
+            items.sort(key=lambda it: it.location.offset)
+            extents = plan_extents(
+                _pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _MAX_WASTE
+            )
+            streams.append(zip(itertools.repeat(f), extents))
+        for f, extent in interleave(streams):
+            buffer: memoryview | None
+            if extent.direct is not None:
+                buffer, into = None, extent.direct.memory
+            else:
+                buffer = into = window.stage(extent.length)
+            window.push(engine.read(f, into, extent.file_offset), extent, buffer)
+            read += extent.length
+        window.finish()
+    except ShortReadError as e:
+        window.abort()
+        raise CorruptCheckpointError(f"{e.filename}: {e.strerror}") from None
+    except BaseException:
+        window.abort()
+        raise
+    finally:
+        for f in files.values():
+            f.close()
+    needed = sum(it.total for items in by_file.values() for it in items)
+    return read, needed

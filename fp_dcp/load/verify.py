@@ -1,0 +1,318 @@
+"""Check a whole checkpoint without loading it: ``verify_checkpoint``.
+
+A load checks what it reads; this checks everything, once, front to back:
+
+- ``.metadata``: its trailer, footer and pickle checksums (``format.decode_metadata``);
+- every data file the footer lists: present, and exactly the size it was written with;
+- every item: inside its file, its length that of its shape and dtype, its CRC-32C;
+- the bytes between, before and after the items: zeros, as the format
+  specifies. So a flipped byte anywhere in a data file is found, not only one
+  inside an item (a load would not notice one in the padding, nor need to).
+
+Data files are read through the same engine and in-flight window as loads
+(io_uring or threads, O_DIRECT where the filesystem allows, so the disk's
+bytes are checked rather than a cached copy), several reads in flight while
+earlier ones are checked.
+Files in the directory that ``.metadata`` does not list (leftovers of saves
+that never published) are not part of the checkpoint and are not examined.
+
+A torch ``FileSystemWriter`` checkpoint stores no checksums: for one, only the
+presence and sizes of its files are checked, and the report says so with
+``checksums=False`` (that alone does not make ``ok`` false).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+from .. import _cio
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..config import IOConfig
+from ..errors import CorruptCheckpointError
+from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
+from ..io.buffers import BufferPool
+from ..io.engine import Engine, IOResources
+from ..io.extents import Extent, Piece, Window, plan_extents
+from ..io.files import DataFile, open_file
+from ..io.progress import Progress, ProgressCallback
+from ..units import PAGE, align_up
+from .pipeline import Catalog
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+# Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
+_READ = 16 << 20
+_IN_FLIGHT = 4
+_NAMES_SHOWN = 5  # items named in a problem about a whole file
+
+_Item = tuple[MetadataIndex, ItemLocation]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify_checkpoint`` found.
+
+    Attributes:
+        path: the checkpoint directory.
+        ok: no problem found.
+        problems: one line per problem, naming the file and, where the
+            problem is in an item's bytes, the item (its fqn and chunk).
+        items: items the metadata lists (all examined).
+        bytes: item bytes read and checked against their CRC-32C.
+        files: data files the metadata lists.
+        checksums: False for a torch ``FileSystemWriter`` checkpoint, which
+            stores none: then only file presence and sizes were checked.
+    """
+
+    path: str
+    ok: bool
+    problems: list[str]
+    items: int
+    bytes: int
+    files: int
+    checksums: bool = True
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str],
+    data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+) -> VerifyReport:
+    """Check every byte of the checkpoint at ``path`` against its metadata and checksums.
+
+    Args:
+        path: checkpoint directory.
+        data_dirs: where the data directories are now, if the checkpoint
+            moved (as for ``FastPersistReader``).
+        progress: called as ``progress(bytes_done, bytes_total)`` in bytes of
+            data files, once before reading and then after each read; the last
+            call has ``bytes_done == bytes_total``.
+
+    Returns a report: damage of any kind (to ``.metadata``, a data file, an
+    item) is a problem in it, not an exception.
+
+    Raises:
+        NotACheckpointError: ``path`` holds no checkpoint (no ``.metadata``),
+            or ``data_dirs`` lists fewer directories than the save used.
+        IncompatibleCheckpointError: written by a newer fp-dcp format version,
+            or on a host of the other byte order.
+    """
+    directory = os.fspath(path)
+    try:
+        checkpoint = open_checkpoint(directory, data_dirs)
+    except CorruptCheckpointError as e:
+        return VerifyReport(directory, False, [str(e)], 0, 0, 0)
+    if checkpoint.kind == "dcp":
+        return _verify_stock(checkpoint)
+    catalog = Catalog(checkpoint)
+    problems = _check_metadata(checkpoint.metadata, catalog)
+    by_file: dict[str, list[_Item]] = {name: [] for name in catalog.paths}
+    for index, loc in catalog.locations.items():
+        if loc.file in by_file:
+            by_file[loc.file].append((index, loc))
+        else:
+            problems.append(f"{describe_item(index, loc)}: the metadata footer does not list data file {loc.file}")
+
+    tracker = Progress("verify", sum(catalog.file_sizes.values()), callback=progress)
+    checked = 0
+    read = min(_READ, align_up(max(catalog.file_sizes.values(), default=1), PAGE))  # small checkpoints, small buffers
+    io = IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))
+    try:
+        engine, pool = io.get()
+        for name, items in by_file.items():
+            size = catalog.file_sizes[name]
+            before = tracker.done
+            checked += _verify_file(catalog.paths[name], size, items, engine, pool, tracker, problems)
+            tracker.advance(size - (tracker.done - before))  # bytes a short or missing file could not give
+    finally:
+        io.close()
+    tracker.finish()
+    return VerifyReport(directory, not problems, problems, len(catalog.locations), checked, len(catalog.paths))
+
+
+def _check_metadata(metadata: Metadata, catalog: Catalog) -> list[str]:
+    """Entries the metadata describes but stores nowhere, and stored lengths that disagree with shapes."""
+    problems = []
+    stored = {(index.fqn, tuple(index.offset) if index.offset is not None else None) for index in catalog.locations}
+    for fqn, md in metadata.state_dict_metadata.items():
+        chunks: list[tuple[int, ...] | None] = (
+            [None] if isinstance(md, BytesStorageMetadata) else [tuple(chunk.offsets) for chunk in md.chunks]
+        )
+        for offsets in chunks:
+            if (fqn, offsets) not in stored:
+                chunk = f" (chunk at {list(offsets)})" if offsets is not None else ""
+                problems.append(f"{fqn!r}{chunk}: {METADATA_NAME} describes it but stores no bytes for it")
+    for index, loc in catalog.locations.items():
+        if index.offset is None:
+            continue
+        shape = catalog.chunks.get((index.fqn, tuple(index.offset)))
+        if shape is None:
+            problems.append(f"{describe_item(index, loc)}: stored, but {METADATA_NAME} describes no such chunk")
+        elif chunk_nbytes(*shape) != loc.length:
+            problems.append(
+                f"{describe_item(index, loc)}: the length does not match shape {list(shape[0])} of {shape[1]}"
+            )
+    return problems
+
+
+class _Segment:
+    """A byte range of a data file to check: an item's bytes (``item`` set) or padding (``item`` None)."""
+
+    __slots__ = ("start", "stop", "item", "crc", "nonzero", "first_nonzero")
+
+    def __init__(self, start: int, stop: int, item: _Item | None) -> None:
+        self.start = start
+        self.stop = stop
+        self.item = item
+        self.crc = 0
+        self.nonzero = 0
+        self.first_nonzero = -1
+
+    def feed(self, data: memoryview, at: int) -> None:
+        if self.item is not None:
+            self.crc = _cio.crc32c(data, self.crc)
+            return
+        flags = np.frombuffer(data, dtype=np.uint8)
+        count = int(np.count_nonzero(flags))
+        if count and not self.nonzero:
+            self.first_nonzero = at + int(np.flatnonzero(flags)[0])
+        self.nonzero += count
+
+    def problem(self, path: str) -> str | None:
+        if self.item is None:
+            if not self.nonzero:
+                return None
+            return (
+                f"data file {path}: {self.nonzero} byte(s) outside every item are not zero, the first at offset "
+                f"{self.first_nonzero} (damaged after the save; the items there are intact)"
+            )
+        index, loc = self.item
+        if self.crc == loc.crc32c:
+            return None
+        return checksum_mismatch(index, loc, self.crc)
+
+
+def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> tuple[list[_Segment], int]:
+    """The items within the first ``size`` bytes and the padding around them, in file order; and their item bytes."""
+    segments = []
+    cursor = 0
+    nbytes = 0
+    for index, loc in sorted(items, key=lambda item: item[1].offset):
+        stop = loc.offset + loc.length
+        if stop > size:
+            problems.append(f"{describe_item(index, loc)}: {name} ends at byte {size}, before the end of the item")
+            cursor = max(cursor, stop)  # what is left of the item is not padding
+            continue
+        if loc.offset < cursor:
+            problems.append(
+                f"{describe_item(index, loc)}: overlaps the item before it ({METADATA_NAME} is inconsistent)"
+            )
+            continue
+        if loc.offset > cursor:
+            segments.append(_Segment(cursor, loc.offset, None))
+        if loc.length:
+            segments.append(_Segment(loc.offset, stop, (index, loc)))
+        elif loc.crc32c != 0:  # nothing to read: the checksum of no bytes is 0
+            problems.append(f"checksum mismatch for {describe_item(index, loc)}: stored {loc.crc32c:08x} for no bytes")
+        nbytes += loc.length
+        cursor = stop
+    if cursor < size:
+        segments.append(_Segment(cursor, size, None))
+    return segments, nbytes
+
+
+def _verify_file(
+    path: str,
+    expected: int,
+    items: list[_Item],
+    engine: Engine,
+    pool: BufferPool,
+    tracker: Progress,
+    problems: list[str],
+) -> int:
+    """Check one data file, adding to ``problems``; returns the item bytes checksummed."""
+    name = os.path.basename(path)
+    try:
+        f = open_file(path, create=False, direct=None)
+    except FileNotFoundError:
+        problems.append(f"data file {path} is missing; {_holds(items)}")
+        return 0
+    except OSError as e:
+        problems.append(f"data file {path} cannot be opened ({e.strerror}); {_holds(items)}")
+        return 0
+    try:
+        size = os.fstat(f.fd).st_size
+        if size < expected:
+            problems.append(f"data file {path} is truncated: {size} bytes, written as {expected}")
+        elif size > expected:
+            problems.append(f"data file {path} is {size} bytes, written as {expected}: something appended to it")
+        segments, nbytes = _segments(name, min(size, expected), items, problems)
+        if f.direct and min(size, expected) % f.align:
+            # A truncated file: through the page cache, so no direct read has to end past the end.
+            f.close()
+            f = open_file(path, create=False, direct=False)
+        try:
+            _scan(engine, f, pool, segments, tracker)
+        except OSError as e:  # CorruptCheckpointError too, if the file shrinks while being read
+            problems.append(f"data file {path} could not be read ({e}); {_holds(items)}")
+            return 0
+    finally:
+        f.close()
+    problems += filter(None, (segment.problem(path) for segment in segments))
+    return nbytes
+
+
+def _holds(items: list[_Item]) -> str:
+    if not items:
+        return "it holds no items"
+    names = ", ".join(repr(index.fqn) for index, _ in items[:_NAMES_SHOWN])
+    more = f" and {len(items) - _NAMES_SHOWN} more" if len(items) > _NAMES_SHOWN else ""
+    return f"it holds {len(items)} item(s): {names}{more}"
+
+
+def _scan(engine: Engine, f: DataFile, pool: BufferPool, segments: list[_Segment], progress: Progress) -> None:
+    """Read the bytes the segments cover (they tile the file) through the read pipeline's window, feeding each."""
+
+    def retire(extent: Extent, buffer: memoryview | None) -> None:
+        assert buffer is not None  # segments have no memory of their own: every extent is staged
+        for segment, at, buf_offset, length in extent.parts:
+            segment.feed(buffer[buf_offset : buf_offset + length], segment.start + at)
+
+    pieces = (Piece(s.start, s.stop - s.start, s, 0, None) for s in segments)
+    window = Window(engine, pool, retire, pool.count, progress)
+    try:
+        for extent in plan_extents(pieces, f.align, pool.size, pool.size, 0.0):
+            buffer = window.stage(extent.length)
+            window.push(engine.read(f, buffer, extent.file_offset), extent, buffer)
+        window.finish()
+    except BaseException:
+        window.abort()
+        raise
+
+
+def _verify_stock(checkpoint: Checkpoint) -> VerifyReport:
+    """A torch FileSystemWriter checkpoint: its files are there and long enough (it stores no checksums)."""
+    directory, metadata = checkpoint.path, checkpoint.metadata
+    problems = []
+    by_file: dict[str, list[tuple[MetadataIndex, int]]] = defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        by_file[info.relative_path].append((index, info.offset + info.length))
+    for name, items in by_file.items():
+        file = os.path.join(directory, name)
+        try:
+            size = os.stat(file).st_size
+        except FileNotFoundError:
+            shown = ", ".join(repr(index.fqn) for index, _ in items[:_NAMES_SHOWN])
+            problems.append(f"data file {file} is missing; it holds {len(items)} item(s): {shown}")
+            continue
+        for index, stop in items:
+            if stop > size:
+                problems.append(f"{index.fqn!r} in {name}: the file ends at byte {size}, before the item's end {stop}")
+    return VerifyReport(directory, not problems, problems, len(metadata.storage_data), 0, len(by_file), checksums=False)

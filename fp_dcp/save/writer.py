@@ -1,0 +1,345 @@
+"""``FastPersistWriter``: a ``torch.distributed.checkpoint.StorageWriter``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future as StagingFuture
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..checkpoint import published_files
+from ..config import IOConfig
+from ..errors import CheckpointExistsError
+from ..format import METADATA_NAME, data_file_name, encode_metadata, file_index
+from ..gpu.stager import AsyncSaves, Mode, StagedSave
+from ..gpu.streaming import Staging
+from ..io import files
+from ..io.engine import IOResources
+from ..units import PAGE, align_up
+from . import commit
+from .checkpoint_path import checkpoint_directory
+from .controls import SaveControls
+from .pipeline import split_items, write_files
+from .placement import Placement
+
+__all__ = ["FastPersistWriter", "SaveSummary"]
+
+# The DCP metadata schema version this writer produces (torch's FileSystemWriter's).
+DCP_METADATA_VERSION = "1.0.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSummary:
+    """What one rank's part of a save did; ``FastPersistWriter.last_save`` after each save."""
+
+    bytes: int  # item bytes this rank wrote
+    seconds: float  # write_data, from first resolve to fsync
+    files: tuple[str, ...]
+    engine: str  # e.g. "io_uring", or "threads (io_uring refused by the kernel: ...)"
+    direct_io: bool  # whether the data files were written with O_DIRECT
+    staging: str = "none"  # how device tensors reached the host ("none" when the state was all on the CPU)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def describe_io(self) -> str:
+        """``io_uring, O_DIRECT``: the engine and how the files were opened."""
+        return f"{self.engine}, {'O_DIRECT' if self.direct_io else 'page cache'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFiles:
+    """``SavePlan.storage_data``: which files a rank writes in this save."""
+
+    rank: int
+    token: str
+
+
+class FastPersistWriter(StorageWriter):
+    """Saves DCP checkpoints at the speed of the disk.
+
+    Each rank writes its items as raw bytes into one file of its own, through
+    io_uring with O_DIRECT where the system allows (see ``IOConfig``), with a
+    CRC-32C per item; the coordinator then publishes ``.metadata`` atomically
+    (see ``fp_dcp.commit``). Use with ``torch.distributed.checkpoint.save`` or
+    ``async_save``::
+
+        dcp.save(state_dict, storage_writer=FastPersistWriter("/nvme/ckpt/step-100"))
+
+    GPU tensors are copied device-to-host on a side CUDA stream into the
+    writer's page-locked staging buffers, pipelined with the disk writes
+    (``fp_dcp.gpu``, docs/gpu.md). For saves that overlap training, pass
+    the writer as DCP's ``AsyncStager`` too::
+
+        resp = dcp.async_save(state_dict, storage_writer=writer, async_stager=writer)
+        ...                                   # forward and backward of the next step
+        resp.staging_completion.result()      # before optimizer.step(): parameters may change
+        resp.upload_completion.result()       # the checkpoint is published
+
+    ``staging_completion`` fires when training may change the parameters,
+    ``upload_completion`` after the durable commit; how soon the first comes
+    depends on ``mode``. ``fp_dcp.OverlappedCheckpointer`` does this in a
+    training loop. ``isinstance(writer, AsyncStager)`` is deliberately False
+    (``fp_dcp.compat``), so ``dcp.async_save(sd, storage_writer=writer)``
+    without ``async_stager`` keeps torch's default stager (a full host copy)
+    and its plain Future, as before. Async saves need DCP's thread executor
+    (the default).
+
+    Args:
+        path: checkpoint directory; created if missing.
+        overwrite: replace a checkpoint already published at ``path``. The old
+            one stays loadable until the new one is published, and its files
+            are removed only then. With False, an existing checkpoint makes
+            the save fail before anything is written.
+        data_dirs: directories on separate devices to spread the data files
+            over (see ``fp_dcp.save.placement``); ``.metadata`` stays in ``path``.
+            Default: everything in ``path``.
+        lanes_per_dir: data files each rank writes into each directory, all
+            written at the same time (more lanes keep more requests in flight
+            per device on striped or networked filesystems).
+        config: I/O settings (engine, O_DIRECT, buffers, queue depth).
+        mode: what ``stage`` does for ``async_save`` (``dcp.save`` always streams):
+            ``"streaming"`` copies nothing up front: the save reads the tensors
+            themselves (GPU ones through the staging buffers), and
+            ``staging_completion`` fires once it has read them all, as in
+            FastPersist, where the write ends before the next optimizer step.
+            Host memory: the staging buffers, whatever the state's size.
+            ``"snapshot"`` copies the whole state into a page-locked host arena
+            (kept and reused across saves) on a side stream, and
+            ``staging_completion`` fires when the copy is done; the write may
+            then span several steps. Host memory: the state's size, once.
+
+    One writer runs one save at a time (async saves queue behind each other).
+    It keeps its staging buffers, I/O engine and snapshot between saves
+    (reusing warm memory); ``close()`` releases them. ``cancel()`` stops a
+    save in progress.
+    """
+
+    # Declared for type checkers only: left unset so that isinstance(writer, AsyncStager)
+    # is False (see the class docstring). stage() always returns a future, so DCP never reads it.
+    _synchronize_after_execute: bool
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = True,
+        data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+        lanes_per_dir: int = 1,
+        config: IOConfig | None = None,
+        mode: Mode = "streaming",
+    ) -> None:
+        super().__init__()
+        self.path = checkpoint_directory(path)
+        self.overwrite = overwrite
+        self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
+        self.lanes_per_dir = lanes_per_dir
+        self.placement = Placement(self.path, self.data_dirs, lanes_per_dir)
+        self.config = config if config is not None else IOConfig()
+        if mode not in ("streaming", "snapshot"):
+            raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
+        self.mode: Mode = mode
+        self._staging = Staging(self.config)
+        self._async = AsyncSaves()
+        self._staged: StagedSave | None = None  # the async save now running, if any
+        self._busy = threading.Lock()  # held while a save's data is written
+        self._cancel = threading.Event()
+        self.save_id = str(uuid.uuid4())
+        self.rank = 0
+        self.is_coordinator = False
+        self.last_save: SaveSummary | None = None
+        self._io = IOResources(self.config)
+        self._lock: commit.SaveLock | None = None
+        self._replaced: set[str] = set()
+        self._token = ""
+
+    # ----------------------------------------------------------- DCP contract
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = checkpoint_directory(checkpoint_id)
+
+    # DCP calls reset() only when a checkpoint_id is passed, so every save starts here.
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._release_lock()  # left over if the previous save failed on some rank
+        self._staged = self._async.begin()
+        self.save_id = str(uuid.uuid4())
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("FastPersistWriter needs use_collectives=True: one coordinator publishes the checkpoint")
+        self.rank = kwargs.get("rank") or 0
+        self.is_coordinator = is_coordinator
+        self.path = checkpoint_directory(self.path)
+        self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
+        os.makedirs(self.path, exist_ok=True)
+        for directory in self.placement.directories:
+            os.makedirs(directory, exist_ok=True)
+        if is_coordinator:
+            if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_NAME)):
+                raise CheckpointExistsError(f"a checkpoint is already published in {self.path} and overwrite=False")
+            self._lock = commit.SaveLock(self.path)
+            self._replaced = published_files(self.path)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
+        return [dataclasses.replace(p, storage_data=_RankFiles(rank, self._token)) for rank, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        spec = plan.storage_data
+        if not isinstance(spec, _RankFiles):
+            raise RuntimeError(
+                "FastPersistWriter.prepare_global_plan did not run for this save (cached plans are not supported)"
+            )
+        staged, self._staged = self._staged, None  # the async_save this is, from set_up; None for dcp.save
+        controls = SaveControls(self._cancel, staged.release if staged else None)
+        try:
+            with self._busy:  # async saves run in DCP's threads: one pipeline at a time
+                return self._write_data(plan, planner, spec, controls, staged)
+        except BaseException as e:
+            self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
+            if staged is not None:
+                staged.fail(e)  # staging_completion must not stay pending
+            raise
+        finally:
+            self._cancel.clear()
+            if staged is not None:
+                staged.end()
+
+    def _write_data(
+        self, plan: SavePlan, planner: SavePlanner, spec: _RankFiles, controls: SaveControls, staged: StagedSave | None
+    ) -> Future[list[WriteResult]]:
+        start = time.perf_counter()
+        engine, pool = self._io.get()
+        groups = split_items(plan.items, self.placement.files_per_rank)
+        targets = [
+            (os.path.join(self.placement.directory_of(k), data_file_name(spec.rank, k, spec.token)), items)
+            for k, items in enumerate(groups)
+            if items
+        ]
+        copier = self._staging.copier(staged.ready if staged else None)
+        results, written = write_files(targets, planner, engine, pool, self.config, controls, copier)
+        for directory in {os.path.dirname(path) for path, _ in targets}:
+            files.fsync_directory(directory)  # the new names are durable before anything refers to them
+        self.last_save = SaveSummary(
+            bytes=sum(w.payload for w in written),
+            seconds=time.perf_counter() - start,
+            files=tuple(w.name for w in written),
+            engine=engine.describe(),
+            direct_io=all(w.direct for w in written),
+            staging=copier.describe(),
+        )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        sizes: dict[str, int] = {}
+        for file, offset, length, _ in storage_data.values():
+            sizes[file] = max(sizes.get(file, 0), align_up(offset + length, PAGE))
+        entries = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
+        metadata.storage_data = storage_data
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = DCP_METADATA_VERSION
+        written_by = {"engine": self.last_save.describe_io()} if self.last_save else {}  # the coordinator's
+        encoded = encode_metadata(metadata, entries, {"save_id": self.save_id, **written_by, **self.placement.footer()})
+        try:
+            try:
+                commit.publish(self.path, encoded, self._token)
+            except files.ReplaceFailedError:
+                self._remove_files(entries)  # unpublished: they would only hold the space a retry needs
+                raise
+            keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}
+            for directory in dict.fromkeys([self.path, *self.placement.directories]):
+                commit.remove_unreferenced(directory, keep, replaced=self._replaced)
+        finally:
+            self._release_lock()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            checkpoint_directory(checkpoint_id)
+        except (ValueError, TypeError, NotADirectoryError):
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def _remove_files(self, names: Iterable[str]) -> None:
+        """Remove this save's data files (those this host can reach) and make the removal durable."""
+        directories = set()
+        for name in names:
+            directory = self.placement.directory_of(file_index(name))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                directories.add(directory)
+        for directory in directories:
+            files.fsync_directory(directory)
+
+    # ------------------------------------------ async saves (DCP's AsyncStager)
+
+    def stage(self, state_dict: dict[str, Any]) -> StagingFuture[dict[str, Any]]:
+        """``AsyncStager.stage`` for ``dcp.async_save(..., async_stager=writer)``; see ``mode``.
+
+        Returns at once. The future (DCP turns it into ``staging_completion``)
+        completes when training may change the parameters, and fails if the
+        save fails before that.
+        """
+        return self._async.stage(state_dict, self.mode, self._staging.snapshot)
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False  # stage() returns a future: async_save hands it back as staging_completion
+
+    def synchronize_staging(self) -> None:
+        """Wait until every save staged so far lets training change the parameters."""
+        self._async.synchronize()
+
+    def cancel(self) -> None:
+        """Stop the save in progress (or staged and about to write) at its next transfer.
+
+        Its ``write_data`` raises ``SaveCancelledError``, its files are removed
+        and nothing is published; DCP reports the error on every rank. A no-op
+        when no save is in progress.
+        """
+        if self._busy.locked() or self._async.pending():
+            self._cancel.set()
+
+    # -------------------------------------------------------------- resources
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def close(self) -> None:
+        """Wait for async saves in flight, then release the staging buffers, snapshot, I/O engine and lock."""
+        self._async.close()
+        self._staging.close()  # first: it unpins the pool buffers, which the engine then unmaps
+        self._release_lock()
+        self._io.close()
+
+    def __enter__(self) -> FastPersistWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

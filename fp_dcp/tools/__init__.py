@@ -1,0 +1,1 @@
+"""The ``fp-dcp`` command's tools: inspect, verify, convert, bench, tune, plot; built on the public API."""

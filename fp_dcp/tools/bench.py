@@ -1,0 +1,358 @@
+"""Benchmark: fp-dcp against torch's FileSystemWriter/Reader, torch.save/load and the raw disk.
+
+    fp-dcp bench [--size-gb 2] [--dir DIR] [--repeats 3] [--json out.json]
+
+Saves (and loads) an LLM-shaped state dict (bf16 weights in [4096, 11008]-ish
+matrices, two [32000, 4096] embeddings, an fp32 master copy of one, many small
+fp32 norms, scalars and a pickled object) with each method in turn, A B C A B C
+..., every save fsynced, all in one run so the ratios are fair on a noisy
+machine. The disk's raw limit is ``dd if=/dev/zero oflag=direct bs=16M
+conv=fsync`` of the same size in the same directory. Reported per method:
+median GB/s, CPU-seconds per GB (user + system, all threads), the growth of
+resident memory during the save (over the state dict already held), and load
+GB/s with the checkpoint's pages evicted from the page
+cache first (posix_fadvise DONTNEED per file, plus drop_caches when root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .. import FastPersistReader, FastPersistWriter, engine_info
+
+GB = 1e9
+MiB = 1 << 20
+
+
+def llm_state_dict(total_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """About ``total_bytes`` of a Llama-shaped model's training state."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+
+    h, ffn, vocab = 4096, 11008, 32000
+    sd: dict[str, Any] = {
+        "model.embed_tokens.weight": rand(vocab, h),
+        "lm_head.weight": rand(vocab, h),
+        "master.embed_tokens.weight": rand(vocab, h, dtype=torch.float32),
+        "model.norm.weight": rand(h, dtype=torch.float32),
+        "train_state": {"step": 1000, "lr": 3e-4, "data_position": list(range(64))},
+    }
+    used = sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor))
+    layer = 0
+    while used < total_bytes:
+        p = f"model.layers.{layer}."
+        shapes = {
+            "self_attn.q_proj": (h, h),
+            "self_attn.k_proj": (h, h),
+            "self_attn.v_proj": (h, h),
+            "self_attn.o_proj": (h, h),
+            "mlp.gate_proj": (ffn, h),
+            "mlp.up_proj": (ffn, h),
+            "mlp.down_proj": (h, ffn),
+        }
+        for name, shape in shapes.items():
+            if used >= total_bytes:
+                break
+            sd[p + name + ".weight"] = rand(*shape)
+            used += sd[p + name + ".weight"].nbytes
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + name + ".weight"] = rand(h, dtype=torch.float32)
+            used += h * 4
+        for k in range(24):  # small per-layer state: scales, biases, step counters
+            sd[p + f"extra.{k}"] = rand(64, dtype=torch.float32)
+        sd[p + "step"] = torch.tensor(float(layer))
+        layer += 1
+    return sd
+
+
+def tensor_bytes(sd: dict[str, Any]) -> int:
+    return sum(v.nbytes for v in sd.values() if isinstance(v, torch.Tensor))
+
+
+class PeakRSS:
+    """Samples this process's resident set every few milliseconds while active."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[PeakRSS]:
+        self.start = self.peak = self._rss()
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+            self._stop.clear()
+            self.peak = max(self.peak, self._rss())
+
+
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def evict(path: str) -> None:
+    """Drop ``path``'s pages (a file or every file under a directory) from the page cache."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if os.geteuid() == 0:
+        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+
+
+class Method:
+    def __init__(
+        self,
+        name: str,
+        save: Callable[[str], None],
+        load: Callable[[str], None] | None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.save = save
+        self.load = load
+        self.check = check  # run after a load, untimed
+        self.save_gbps: list[float] = []
+        self.cpu_per_gb: list[float] = []
+        self.peak_rss: list[int] = []
+        self.load_gbps: list[float] = []
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build_methods(
+    sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str
+) -> list[Method]:
+    writer = FastPersistWriter(workdir)  # reused across saves, as in a training loop
+    reader = FastPersistReader(workdir)
+
+    def fp_save(path: str) -> None:
+        writer.reset(path)
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+
+    def fp_load(path: str) -> None:
+        reader.reset(path)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+
+    def fp_check() -> None:
+        bad = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and not torch.equal(v, target[k])]
+        if bad:
+            raise AssertionError(f"fp-dcp loaded wrong data for {bad[:3]}")
+
+    def fs_save(n: int) -> Callable[[str], None]:
+        return lambda path: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=n), no_dist=True)
+
+    def fs_load(path: str) -> None:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+    def torch_save(path: str) -> None:
+        torch.save(sd, path)
+        _fsync_file(path)
+
+    def torch_load(path: str) -> None:
+        torch.load(path, weights_only=False)
+
+    def dd(path: str) -> None:
+        blocks = -(-size // (16 * MiB))
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "oflag=direct", "bs=16M", f"count={blocks}", "conv=fsync"],
+            check=True,
+            capture_output=True,
+        )
+
+    methods = [Method("fp-dcp", fp_save, fp_load, check=fp_check)]
+    methods += [Method(f"FileSystemWriter t={n}", fs_save(n), fs_load if n == 1 else None) for n in threads]
+    methods += [Method("torch.save", torch_save, torch_load), Method("dd oflag=direct", dd, None)]
+    return methods
+
+
+def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dict[str, Any]:
+    warnings.filterwarnings("ignore")  # DCP warns that no process group is initialised
+    sd = llm_state_dict(int(size_gb * GB))
+    size = tensor_bytes(sd)
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    workdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=directory)
+    methods = build_methods(sd, size, target, threads, workdir)
+    rss = PeakRSS()
+    try:
+        for rep in range(repeats):
+            for m in methods:
+                path = os.path.join(workdir, f"{rep}-{m.name.replace(' ', '_').replace('=', '')}")
+                who = resource.RUSAGE_CHILDREN if m.name.startswith("dd") else resource.RUSAGE_SELF
+                cpu0, t0 = cpu_seconds(who), time.perf_counter()
+                with rss.watch():
+                    m.save(path)
+                seconds, cpu = time.perf_counter() - t0, cpu_seconds(who) - cpu0
+                m.save_gbps.append(size / seconds / GB)
+                m.cpu_per_gb.append(cpu / (size / GB))
+                m.peak_rss.append(rss.peak - rss.start)
+                if m.load is not None:
+                    evict(path)
+                    t0 = time.perf_counter()
+                    m.load(path)
+                    m.load_gbps.append(size / (time.perf_counter() - t0) / GB)
+                    if m.check is not None:
+                        m.check()
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                print(
+                    f"  run {rep + 1}/{repeats} {m.name:<22} {m.save_gbps[-1]:6.2f} GB/s", file=sys.stderr, flush=True
+                )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report(methods, size, directory)
+
+
+def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
+    med = statistics.median
+    rows = {
+        m.name: {
+            "save_gbps": med(m.save_gbps),
+            "cpu_s_per_gb": med(m.cpu_per_gb),
+            "peak_rss_growth_mib": max(m.peak_rss) / MiB,
+            "load_gbps": med(m.load_gbps) if m.load_gbps else None,
+            "runs_save_gbps": m.save_gbps,
+        }
+        for m in methods
+    }
+    by_name = {m.name: m for m in methods}
+    fp, dd, torch_save = by_name["fp-dcp"], by_name["dd oflag=direct"], by_name["torch.save"]
+    stock = [m for m in methods if m.name.startswith("FileSystemWriter")]
+    fs1 = stock[0]
+    fs_best = max(stock, key=lambda m: med(m.save_gbps))
+    ratios = {
+        "save_vs_dd": med(fp.save_gbps) / med(dd.save_gbps),
+        "save_vs_filesystemwriter_t1": med(fp.save_gbps) / med(fs1.save_gbps),
+        "save_vs_filesystemwriter_best": med(fp.save_gbps) / med(fs_best.save_gbps),
+        "save_vs_torch_save": med(fp.save_gbps) / med(torch_save.save_gbps),
+        "cpu_vs_filesystemwriter_t1": med(fp.cpu_per_gb) / med(fs1.cpu_per_gb),
+        "load_vs_filesystemreader": med(fp.load_gbps) / med(fs1.load_gbps),
+        "peak_rss_growth_mib": max(fp.peak_rss) / MiB,
+    }
+    bars = {
+        "save >= 0.85 x dd": ratios["save_vs_dd"] >= 0.85,
+        "save >= 3.5 x FileSystemWriter t=1": ratios["save_vs_filesystemwriter_t1"] >= 3.5,
+        "save >= 2 x FileSystemWriter best": ratios["save_vs_filesystemwriter_best"] >= 2,
+        "CPU-s/GB <= 1/3 FileSystemWriter t=1": ratios["cpu_vs_filesystemwriter_t1"] <= 1 / 3,
+        "peak RSS <= state + 512 MiB": ratios["peak_rss_growth_mib"] <= 512,
+        "load >= 2 x FileSystemReader": ratios["load_vs_filesystemreader"] >= 2,
+    }
+    return {
+        "state_dict_bytes": size,
+        "directory_fs": _filesystem(directory),
+        "cache_eviction": "posix_fadvise DONTNEED" + (" + drop_caches" if os.geteuid() == 0 else ""),
+        "engine": engine_info(directory),
+        "cpus": os.cpu_count(),
+        "methods": rows,
+        "ratios": ratios,
+        "bars": bars,
+    }
+
+
+def _filesystem(directory: str) -> str:
+    out = subprocess.run(["df", "-T", directory], capture_output=True, text=True).stdout.splitlines()
+    return out[-1].split()[1] if len(out) > 1 else "unknown"
+
+
+def print_report(r: dict[str, Any], repeats: int) -> None:
+    e = r["engine"]
+    print(
+        f"\nfp-dcp benchmark: {r['state_dict_bytes'] / GB:.2f} GB LLM-shaped state dict, "
+        f"{r['directory_fs']} directory, "
+        f"{r['cpus']} CPUs, median of {repeats} runs, every save fsynced"
+    )
+    print(
+        f"engine: {e['engine']}{' (' + e['fallback_reason'] + ')' if e['fallback_reason'] else ''}, "
+        f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}"
+    )
+    print(f"loads read cold: {r['cache_eviction']}\n")
+    print(f"{'method':<24}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}")
+    for name, row in r["methods"].items():
+        load = f"{row['load_gbps']:.2f}" if row["load_gbps"] is not None else "-"
+        print(
+            f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}{load:>11}"
+        )
+    q = r["ratios"]
+    print(
+        f"\nfp-dcp save = {q['save_vs_dd']:.2f} x dd, {q['save_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1, "
+        f"{q['save_vs_filesystemwriter_best']:.2f} x its best thread count, {q['save_vs_torch_save']:.2f} x torch.save"
+    )
+    print(
+        f"fp-dcp CPU-s/GB = {q['cpu_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1; "
+        f"load = {q['load_vs_filesystemreader']:.2f} x FileSystemReader; "
+        f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB"
+    )
+    print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds)")
+    for bar, ok in r["bars"].items():
+        print(f"  [{'ok' if ok else 'MISSED'}] {bar}")
+
+
+def main(argv: list[str] | None = None, prog: str = "fp-dcp bench") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.0, help="state dict size in GB (default 2)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory to write in (default: the temp dir)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each method, interleaved (default 3)")
+    ap.add_argument("--threads", default="1,2,4", help="FileSystemWriter thread counts; the first is the baseline")
+    ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the GB/s bars into this PNG file (needs matplotlib)")
+    args = ap.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.plot:
+        from .plot import plot_bench, require_matplotlib
+
+        require_matplotlib()  # before the run, not after minutes of it
+    result = run(args.size_gb, args.dir, args.repeats, threads)
+    print_report(result, args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        plot_bench(result, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpointing inside a training loop: ``OverlappedCheckpointer``."""

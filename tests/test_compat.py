@@ -1,0 +1,30 @@
+"""What fp_dcp.compat records about torch still holds for the torch installed here."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.distributed.checkpoint import state_dict_loader
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from fp_dcp import FastPersistReader, FastPersistWriter, compat
+
+
+def test_this_torch_is_one_the_module_was_checked_against():
+    assert torch.__version__.split("+")[0] in compat.CHECKED_TORCH, (
+        f"torch {torch.__version__} is not in fp_dcp.compat.CHECKED_TORCH: re-check every entry of that module"
+    )
+
+
+def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):
+    writer = FastPersistWriter(tmp_path)
+    assert compat.WRITER_IS_NOT_AN_ASYNC_STAGER in AsyncStager.__protocol_attrs__  # the member the check needs
+    assert not hasattr(writer, compat.WRITER_IS_NOT_AN_ASYNC_STAGER)
+    assert not isinstance(writer, AsyncStager)
+    assert callable(writer.stage) and callable(writer.synchronize_staging)  # usable as async_stager= all the same
+
+
+def test_dcp_retries_read_metadata_only_for_a_parameter_named_kwargs():
+    assert f'"{compat.READ_METADATA_KWARGS}"' in inspect.getsource(state_dict_loader)
+    assert compat.READ_METADATA_KWARGS not in inspect.signature(FastPersistReader.read_metadata).parameters
