@@ -4,23 +4,38 @@ What runs is decided by each fenced block's info string (the text after the
 opening backticks), nothing else:
 
 - ``python``: executed. The blocks of one file run in order in one namespace.
+  What a block prints (stdout) must match the ``output`` block directly after
+  it (nothing but blank lines between them). A block that prints without an
+  ``output`` block after it fails, so a doc cannot silently drift from what
+  its examples print. There is deliberately no way to print unseen: an
+  example whose output cannot be pinned down asserts instead of printing.
+- ``output``: what the ``python`` block directly before it prints. An
+  ``output`` block anywhere else fails the test.
 - ``console``: each line ``$ fp-dcp ARGS`` is run (in-process, through
   ``fp_dcp.tools.cli.main``) and what it prints, stdout and stderr together, must
-  match the lines below it up to the next ``$``. Numbers, hex digests and
-  UUIDs are ignored, as are differences in spacing; a line ``...`` matches
-  any number of lines. ``# exit N`` at the end of a command line is the exit
-  status it must have (default 0). Only ``fp-dcp`` commands may appear: set
-  things up in a python block.
+  match the lines below it up to the next ``$``. ``# exit N`` at the end of
+  a command line is the exit status it must have (default 0). Only
+  ``fp-dcp`` commands may appear: set things up in a python block.
 - anything else (``sh``, ``text``, ``python notest``, no info string): shown
   to readers, not run. Use ``python notest`` for a Python sketch that cannot
   run on its own (a fragment of a multi-rank training script, say).
 
+Output matches the doc line by line, with numbers, hex digests and UUIDs
+ignored, as are differences in spacing; a line ``...`` matches any number of
+lines.
+
 Each file runs in a fresh temporary directory, its working directory, which
-holds ``step-100``, a small fp-dcp checkpoint (the name docs/format.md reads).
-The prefix ``/nvme/`` in python blocks (the docs' example mount point of a
-fast disk) is rewritten to that directory, and the module ``crc32c`` (the
-PyPI package docs/format.md names) is fp-dcp's own CRC-32C if the package is
-not installed: it computes the same function.
+holds the checkpoints docs/format.md reads: ``step-100``, saved by one rank
+(with a nested key holding a dot, a 0-d and a 0-length tensor, and objects
+stored as bytes), and ``step-200``, saved by two ranks with data directories
+``disk0`` and ``disk1`` (in the working directory too), ``lanes_per_dir=2``
+and ``FastPersistSavePlanner``, which cuts one tensor into row chunks. The
+blocks see ``saved``: the state dicts the two were saved from, by name, to
+compare what they read with. The prefix ``/nvme/`` in python blocks (the
+docs' example mount point of a fast disk) is rewritten to that directory,
+and the module ``crc32c`` (the PyPI package docs/format.md names) is
+fp-dcp's own CRC-32C if the package is not installed: it computes the same
+function.
 Run with ``-s`` to see which blocks ran.
 """
 
@@ -29,19 +44,23 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import shlex
+import shutil
 import sys
 import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_util import run_ranks
 
-from fp_dcp import FastPersistWriter, _cio
+from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio
 from fp_dcp.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,26 +74,30 @@ class Block:
     line: int  # of the first line of code, 1-based
     info: str
     text: str
+    adjacent: bool  # only blank lines separate it from the block before
 
     @property
     def where(self) -> str:
-        return f"{self.doc.relative_to(ROOT)}:{self.line}"
+        return f"{os.path.relpath(self.doc, ROOT)}:{self.line}"
 
 
 def blocks(doc: Path) -> list[Block]:
     found = []
     lines = doc.read_text().splitlines()
     i = 0
+    prose = True  # whether anything but blank lines came since the last block
     while i < len(lines):
         m = re.match(r"^(`{3,})(.*)$", lines[i])
         if not m:
+            prose = prose or bool(lines[i].strip())
             i += 1
             continue
         fence, info, start = m.group(1), m.group(2).strip(), i + 1
         i += 1
         while i < len(lines) and lines[i].strip() != fence:
             i += 1
-        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n"))
+        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n", adjacent=not prose))
+        prose = False
         i += 1
     return found
 
@@ -100,6 +123,14 @@ def matches(expected: list[str], actual: list[str]) -> bool:
             else:
                 can[i][j] = j < len(act) and exp[i] == act[j] and can[i + 1][j + 1]
     return can[0][0]
+
+
+def assert_prints(where: str, what: str, output: str, expected: list[str]) -> None:
+    while expected and not expected[-1].strip():
+        expected = expected[:-1]
+    assert matches(expected, output.rstrip("\n").splitlines()), (
+        f"{where}: {what} printed\n{output}\nwhich does not match the doc's\n" + "\n".join(expected)
+    )
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:
@@ -128,42 +159,89 @@ def run_console(block: Block) -> None:
         argv = shlex.split(line)
         assert argv[0] == "fp-dcp", f"{block.where}: only fp-dcp commands run in console blocks, not {argv[0]!r}"
         status, output = run_cli(argv[1:])
-        while expected and not expected[-1].strip():
-            expected.pop()
-        got = output.rstrip("\n").splitlines()
         assert status == want, f"{block.where}: `{command}` exited {status}, the doc says {want}:\n{output}"
-        assert matches(expected, got), (
-            f"{block.where}: `{command}` printed\n{output}\nwhich does not match the doc's\n" + "\n".join(expected)
+        assert_prints(block.where, f"`{command}`", output, expected)
+
+
+def run_python(block: Block, sandbox: Path, namespace: dict[str, Any], shown: Block | None) -> None:
+    """Execute the block; what it prints must match ``shown``, its output block (if None: nothing)."""
+    code = block.text.replace("/nvme/", f"{sandbox}/nvme/")
+    out = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        exec(compile("\n" * (block.line - 1) + code, str(block.doc), "exec"), namespace)
+    if shown is None:
+        assert not out.getvalue(), (
+            f"{block.where}: the block prints, so an ```output block must follow it with\n{out.getvalue()}"
         )
+    else:
+        assert_prints(block.where, "the block", out.getvalue(), shown.text.splitlines())
+
+
+def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
+    """Run the doc's blocks in order, checking what they print; returns where each ran."""
+    ran = []
+    found = blocks(doc)
+    for i, block in enumerate(found):
+        if block.info == "output":
+            assert block.adjacent and i > 0 and found[i - 1].info == "python", (
+                f"{block.where}: an output block must directly follow a python block"
+            )
+        if block.info not in RUN:
+            continue
+        if block.info == "python":
+            after = found[i + 1] if i + 1 < len(found) else None
+            shown = after if after is not None and after.info == "output" and after.adjacent else None
+            run_python(block, sandbox, namespace, shown)
+            ran.append(f"{block.where} python" + (" + output" if shown else ""))
+        else:
+            run_console(block)
+            ran.append(f"{block.where} console")
+    return ran
+
+
+def save_on_rank(rank: int, world: int, path: str, data_dirs: list[str], state: dict[str, Any]) -> None:
+    writer = FastPersistWriter(path, data_dirs=data_dirs, lanes_per_dir=2)
+    dcp.save(state, storage_writer=writer, planner=FastPersistSavePlanner(split_bytes=1024, chunks_per_rank=2))
+
+
+@pytest.fixture(scope="session")
+def two_rank_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """A directory holding step-200, disk0 and disk1, and the state saved there; made once (spawning ranks is slow)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    state = {
+        "embed": torch.randn(64, 8),  # over split_bytes: cut into 2 ranks x chunks_per_rank row chunks
+        "model": {"norm.weight": torch.rand(16).to(torch.bfloat16), "scale": torch.tensor(0.5)},
+        "optim": {"step": 7, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95)}]},
+    }
+    run_ranks(2, save_on_rank, str(root / "step-200"), [str(root / "disk0"), str(root / "disk1")], state)
+    return root, state
 
 
 @pytest.fixture
-def sandbox(tmp_path, monkeypatch):
+def sandbox(tmp_path, monkeypatch, two_rank_checkpoint) -> tuple[Path, dict[str, Any]]:
+    """The docs' working directory, and the state dicts of the checkpoints in it."""
     monkeypatch.chdir(tmp_path)
     if importlib.util.find_spec("crc32c") is None:
         monkeypatch.setitem(sys.modules, "crc32c", types.SimpleNamespace(crc32c=_cio.crc32c))
-    state = {"w": torch.randn(300, 70).to(torch.bfloat16), "b": torch.arange(5), "extra": {"step": 3}}
+    state = {
+        "w": torch.randn(300, 70).to(torch.bfloat16),
+        "b": torch.arange(5),
+        "extra": {"step": 3},
+        "model": {"empty": torch.zeros(0, 4), "norm.weight": torch.ones(8), "scale": torch.tensor(2.5)},
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "step-100"))
-    return tmp_path
+    template, state_200 = two_rank_checkpoint
+    shutil.copytree(template, tmp_path, dirs_exist_ok=True)
+    return tmp_path, {"step-100": state, "step-200": state_200}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_doc_examples_run(doc, sandbox):
-    namespace: dict[str, object] = {"__name__": "__doc_example__"}
-    ran = []
-    for block in blocks(doc):
-        if block.info not in RUN:
-            continue
-        if block.info == "python":
-            code = block.text.replace("/nvme/", f"{sandbox}/nvme/")
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                exec(compile("\n" * (block.line - 1) + code, str(doc), "exec"), namespace)
-        else:
-            run_console(block)
-        ran.append(f"{block.where} {block.info}")
+    directory, saved = sandbox
+    ran = run_doc(doc, directory, {"__name__": "__doc_example__", "saved": saved})
     print(f"\n{doc.relative_to(ROOT)}: ran {len(ran)} blocks: {', '.join(ran) or 'none'}")
 
 
@@ -174,3 +252,29 @@ def test_matching_rules():
     assert not matches(["a"], ["a", "extra"])
     assert normalise("__0_0.3f9c0a1b2c4d5e6f.distcp") == normalise("__0_0.0123456789abcdef.distcp")
     assert normalise("model.w") != normalise("model.b")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("```python\nprint('model.w: 3 items')\n```\n\n```output\nmodel.w: 4 items\n```\n", None),
+        ("```python\nx = 1\n```\n```output\n```\n", None),
+        ("```python\nprint('model.w')\n```\n```output\nmodel.b\n```\n", "which does not match the doc's"),
+        ("```python\nprint('model.w')\n```\n```output\nmodel.w\nmodel.b\n```\n", "which does not match the doc's"),
+        ("```python\nprint('model.w')\n```\n", "an ```output block must follow it"),
+        ("```python\nprint('model.w')\n```\nIt prints\n```output\nmodel.w\n```\n", "an ```output block must follow"),
+        ("```python\nx = 1\n```\nIt prints\n```output\n```\n", "must directly follow a python block"),
+        ("```python notest\nprint(1)\n```\n```output\n1\n```\n", "must directly follow a python block"),
+        ("```output\nmodel.w\n```\n", "must directly follow a python block"),
+    ],
+    ids=["match", "silent", "differs", "missing-line", "no-output", "prose-between", "orphan", "notest", "first"],
+)
+def test_output_blocks_are_checked(tmp_path, monkeypatch, text, error):
+    monkeypatch.chdir(tmp_path)
+    doc = tmp_path / "doc.md"
+    doc.write_text(text)
+    if error is None:
+        run_doc(doc, tmp_path, {})
+    else:
+        with pytest.raises(AssertionError, match=re.escape(error)):
+            run_doc(doc, tmp_path, {})
