@@ -103,8 +103,9 @@ class Handoff(Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         if self.streaming_state is not None and not self.done():
-            if self.save.previous is not None:
-                self.save.previous.ended.wait(timeout)
+            previous = self.save.previous
+            if previous is not None and not previous.ended.wait(timeout):
+                raise TimeoutError(f"async save #{previous.token} of this writer is still running")
             return self.streaming_state
         return super().result(timeout)
 

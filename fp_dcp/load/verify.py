@@ -41,13 +41,13 @@ from ..io.engine import Engine, IOResources
 from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile, open_file
 from ..io.progress import Progress, ProgressCallback
-from ..units import PAGE, align_up
+from ..units import PAGE, MiB, align_up
 from .pipeline import Catalog
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
 # Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
-_READ = 16 << 20
+_READ = 16 * MiB
 _IN_FLIGHT = 4
 _NAMES_SHOWN = 5  # items named in a problem about a whole file
 

@@ -36,9 +36,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import FastPersistReader, FastPersistWriter, engine_info
+from ..io.files import fsync_path
+from ..units import MiB
 
 GB = 1e9
-MiB = 1 << 20
 
 
 def llm_state_dict(total_bytes: int, seed: int = 0) -> dict[str, Any]:
@@ -155,14 +156,6 @@ class Method:
         self.load_gbps: list[float] = []
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def build_methods(
     sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str
 ) -> list[Method]:
@@ -190,7 +183,7 @@ def build_methods(
 
     def torch_save(path: str) -> None:
         torch.save(sd, path)
-        _fsync_file(path)
+        fsync_path(path)
 
     def torch_load(path: str) -> None:
         torch.load(path, weights_only=False)
