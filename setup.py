@@ -3,7 +3,10 @@
 FP_DCP_WITHOUT_LIBURING=1 builds without io_uring (the threads engine is then
 used); FP_DCP_WERROR=1 turns compiler warnings into errors (CI). The CUDA
 sources in cuda/ (not a Python package) are copied into the built package as
-fp_dcp/gpu/kernels/, so that wheels ship the gather kernel.
+fp_dcp/gpu/kernels/, so that wheels ship the gather kernel, and
+fp_dcp_default_storage.pth goes beside the package, so that
+FP_DCP_DEFAULT_STORAGE=1 reaches processes that never import fp_dcp
+(fp_dcp.integrations.default_storage).
 """
 
 import os
@@ -16,12 +19,15 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
-KERNELS = Path(__file__).resolve().parent / "cuda"
+ROOT = Path(__file__).resolve().parent
+KERNELS = ROOT / "cuda"
+STARTUP_HOOK = "fp_dcp_default_storage.pth"
 
 
 class BuildWithKernels(build_py):
     def run(self) -> None:
         super().run()
+        shutil.copyfile(ROOT / STARTUP_HOOK, Path(self.build_lib) / STARTUP_HOOK)
         target = Path(self.build_lib) / "fp_dcp" / "gpu" / "kernels"
         target.mkdir(parents=True, exist_ok=True)
         for source in sorted(KERNELS.glob("*.cu")):

@@ -20,21 +20,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import pickle
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import spawn
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from fp_dcp import FastPersistReader, FastPersistWriter
@@ -144,33 +142,6 @@ def _reshard_rank(rank: int, world: int, path: str, phase: str) -> dict:
     exact = all(torch.equal(state[k].full_tensor(), full[k]) for k in full)
     summary = reader.last_load
     return {"rank": rank, "read": summary.bytes, "needed": summary.needed, "exact": exact}
-
-
-def _entry(rank: int, world: int, store: str, fn: Any, args: tuple, out: Any) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        out.put((rank, pickle.dumps(fn(rank, world, *args))))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, out)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=900) for _ in procs)
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                raise RuntimeError(f"a rank exited with {p.exitcode}")
-    return [pickle.loads(results[r]) for r in range(world)]
 
 
 def scaling(args: argparse.Namespace) -> list[dict]:

@@ -5,24 +5,33 @@
 
 Each rank trains a small GPT (token and position embeddings, pre-LN blocks of
 causal self-attention and MLP, untied LM head) with AdamW under DDP on random
-tokens, and the iteration time is measured in five modes, interleaved over
+tokens, and the iteration time is measured in these modes, interleaved over
 ``--rounds`` rounds on the same model so that the ratios are fair:
 
 - ``none``: no checkpoint;
 - ``fs-sync``: ``dcp.save`` with torch's ``FileSystemWriter(thread_count=1)``
   after every ``--every``-th optimizer step;
-- ``fp-sync``: ``dcp.save`` with ``FastPersistWriter`` there;
+- ``fs-async-thread`` / ``fs-async-process``: ``dcp.async_save`` with
+  ``FileSystemWriter`` and torch's default stager (a host copy of the state,
+  made before ``async_save`` returns), on DCP's thread or background-process
+  executor; a save waits for the previous one first;
+- ``fp-sync``: ``dcp.save`` with ``FastPersistWriter``;
+- ``fp-async-process``: as ``fs-async-process`` with ``FastPersistWriter`` and
+  plan caching (the writer is pickled to DCP's checkpoint process, which keeps
+  its engine and buffers between saves);
 - ``fp-overlap-streaming`` / ``fp-overlap-snapshot``:
-  ``fp_dcp.OverlappedCheckpointer`` (FastPersist's overlap: the save starts
-  after the optimizer step, the next forward and backward run meanwhile, the
-  loop waits, if at all, before the next optimizer step).
+  ``fp_dcp.OverlappedCheckpointer`` with plan caching (FastPersist's overlap:
+  the save starts after the optimizer step on DCP's thread executor with the
+  writer as stager, the next forward and backward run meanwhile, the loop
+  waits, if at all, before the next optimizer step).
 
 The overhead of a mode is its extra time per iteration over ``none``, as a
-percentage of ``none``'s iteration time. An iteration's time is the slowest
-rank's. DCP's collectives use their own gloo group, training's the default
-group. Every checkpoint goes to a directory of its own (``step-N``), as in a
-run that keeps several; they are deleted after each mode's measurement, off
-the clock. ``--json`` writes the figures.
+percentage of ``none``'s iteration time, and as a ratio to the overhead of
+``fs-async-thread`` (stock DCP's asynchronous save). An iteration's time is
+the slowest rank's. DCP's collectives use their own gloo group, training's
+the default group. Every checkpoint goes to a directory of its own
+(``step-N``), as in a run that keeps several; they are deleted after each
+mode's measurement, off the clock. ``--json`` writes the figures.
 """
 
 from __future__ import annotations
@@ -46,11 +55,22 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.nn.parallel import DistributedDataParallel
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, OverlappedCheckpointer, engine_info
 
-MODES = ["none", "fs-sync", "fp-sync", "fp-overlap-streaming", "fp-overlap-snapshot"]
+MODES = [
+    "none",
+    "fs-sync",
+    "fs-async-thread",
+    "fs-async-process",
+    "fp-sync",
+    "fp-async-process",
+    "fp-overlap-streaming",
+    "fp-overlap-snapshot",
+]
+STOCK_ASYNC = "fs-async-thread"
 
 
 class Block(nn.Module):
@@ -91,16 +111,21 @@ class Checkpointing:
         self.path = os.path.join(root, mode)
         self.writer: FastPersistWriter | None = None
         self.overlap: OverlappedCheckpointer | None = None
+        self.executor: AsyncCheckpointerType | None = None
+        self.pending: Any = None  # the async save in flight (fs-async-*, fp-async-process)
+        self.blocked_seconds = 0.0  # waiting for the previous save before starting a new one
+        if "-async-" in mode:
+            self.executor = AsyncCheckpointerType.PROCESS if mode.endswith("process") else AsyncCheckpointerType.THREAD
         if mode.startswith("fp-"):
             stage_mode = "snapshot" if mode.endswith("snapshot") else "streaming"
-            self.writer = FastPersistWriter(self.path, mode=stage_mode)
+            self.writer = FastPersistWriter(mode=stage_mode)
         if mode.startswith("fp-overlap"):
             assert self.writer is not None
             self.overlap = OverlappedCheckpointer(
                 self.writer,
                 every=every,
                 checkpoint_id=self.step_path,
-                planner=FastPersistSavePlanner(),
+                planner=FastPersistSavePlanner(enable_plan_caching=True),
                 process_group=group,
             )
 
@@ -114,16 +139,51 @@ class Checkpointing:
     def after_update(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
         if self.overlap is not None:
             self.overlap.after_update(step, state)
-        elif self.mode != "none" and step % self.every == 0:
-            path = self.step_path(step)
-            if self.mode == "fs-sync":
-                writer: Any = dcp.FileSystemWriter(path, thread_count=1)
-                planner = None
-            else:
-                writer, planner = self.writer, FastPersistSavePlanner()
-            dcp.save(state(), checkpoint_id=path, storage_writer=writer, planner=planner, process_group=self.group)
+            return
+        if self.mode == "none" or step % self.every:
+            return
+        path, group = self.step_path(step), self.group
+        writer: Any = self.writer if self.writer is not None else dcp.FileSystemWriter(path, thread_count=1)
+        if self.executor is None:
+            dcp.save(state(), checkpoint_id=path, storage_writer=writer, planner=self.planner(), process_group=group)
+            return
+        self.wait()
+        self.pending = dcp.async_save(
+            state(),
+            checkpoint_id=path,
+            storage_writer=writer,
+            planner=self.planner(),
+            process_group=group,
+            async_checkpointer_type=self.executor,
+        )
+
+    def planner(self) -> Any:
+        if self.writer is None:
+            return None
+        return FastPersistSavePlanner(enable_plan_caching=self.executor is not None)
+
+    def wait(self) -> None:
+        if self.overlap is not None:
+            start = time.perf_counter()
+            self.overlap.wait()
+            self.blocked_seconds += time.perf_counter() - start
+        elif self.pending is not None:
+            start = time.perf_counter()
+            self.pending.result()
+            self.blocked_seconds += time.perf_counter() - start
+            self.pending = None
+
+    def blocked(self) -> float:
+        return self.overlap.blocked_seconds if self.overlap is not None else self.blocked_seconds
+
+    def reset_blocked(self) -> None:
+        self.wait()
+        self.blocked_seconds = 0.0
+        if self.overlap is not None:
+            self.overlap.blocked_seconds = 0.0
 
     def close(self) -> None:
+        self.wait()
         if self.overlap is not None:
             self.overlap.close()
         if self.writer is not None:
@@ -178,12 +238,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             ckpt = Checkpointing(mode, args.dir, group, args.every)
             for step in range(args.warmup):
                 iteration(ckpt, step)
-            if ckpt.overlap is not None:
-                ckpt.overlap.wait()
-                ckpt.overlap.blocked_seconds = 0.0
+            ckpt.reset_blocked()
             measured = [iteration(ckpt, args.warmup + i) for i in range(args.iters)]
-            if ckpt.overlap is not None:
-                blocked[mode] += ckpt.overlap.blocked_seconds
+            blocked[mode] += ckpt.blocked()
             ckpt.close()
             slowest = torch.tensor(measured, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -200,18 +257,19 @@ def report(args: argparse.Namespace, raw: dict[str, Any], state_bytes: int) -> d
     rows = {}
     for mode, samples in raw["times"].items():
         t = statistics.median(samples)
+        waits = "-async-" in mode or "overlap" in mode
         rows[mode] = {
             "iteration_s": t,
             "overhead_pct": 100 * (t - base) / base if base else None,
-            "blocked_s_per_iteration": raw["blocked"][mode] / len(samples) if mode.startswith("fp-overlap") else None,
+            "blocked_s_per_iteration": raw["blocked"][mode] / len(samples) if waits else None,
             "samples_s": samples,
         }
     ratios = {}
-    if base and "fp-sync" in rows:
-        sync = rows["fp-sync"]["overhead_pct"]
-        for mode in ("fp-overlap-streaming", "fp-overlap-snapshot"):
-            if mode in rows and sync and sync > 0:
-                ratios[f"{mode} overhead / fp-sync overhead"] = rows[mode]["overhead_pct"] / sync
+    stock = rows[STOCK_ASYNC]["overhead_pct"] if base and STOCK_ASYNC in rows else None
+    if stock and stock > 0:
+        for mode, row in rows.items():
+            if mode not in ("none", STOCK_ASYNC):
+                ratios[f"{mode} overhead / {STOCK_ASYNC} overhead"] = row["overhead_pct"] / stock
     return {
         "device": args.device,
         "world_size": args.world_size,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from . import errors
 from .config import IOConfig
 from .errors import *  # noqa: F403  (the exception types are part of the public API)
+from .integrations.default_storage import install, install_from_environment, installed, is_installed, uninstall
 from .io.info import engine_info
 from .load.reader import FastPersistReader, LoadSummary
 from .load.verify import VerifyReport, verify_checkpoint
@@ -39,5 +40,11 @@ __all__ = [
     "verify_checkpoint",
     "VerifyReport",
     "OverlappedCheckpointer",
+    "install",
+    "uninstall",
+    "installed",
+    "is_installed",
     *errors.__all__,
 ]
+
+install_from_environment()  # FP_DCP_DEFAULT_STORAGE=1: see fp_dcp.integrations.default_storage

@@ -24,6 +24,16 @@ Protocol details (public API, but behaviour fp-dcp depends on):
   lists ``_synchronize_after_execute``, which ``FastPersistWriter`` leaves
   unset, so the check is False and the writer stages only when passed as
   ``async_stager=`` (``WRITER_IS_NOT_AN_ASYNC_STAGER`` names this).
+- Code written for torch's ``FileSystemWriter`` passes its keyword
+  arguments; ``check_filesystem_writer_options`` accepts those that leave
+  the checkpoint as fp-dcp writes it and refuses the rest by name.
+- For a call with only a ``checkpoint_id`` (no storage writer or reader),
+  DCP's ``_storage_setup`` (``torch.distributed.checkpoint._storage_utils``)
+  tries the classes bound to the names ``FileSystemWriter`` /
+  ``FileSystemReader`` in that module, then fsspec's, taking the first whose
+  ``validate_checkpoint_id`` accepts the id. ``default_storage`` and
+  ``set_default_storage`` read and rebind exactly those two names (nothing
+  else), which is all ``fp_dcp.install()`` changes.
 - DCP retries a failed ``StorageReader.read_metadata`` with ``rank=...``
   only when the method has a parameter literally named ``kwargs``;
   ``FastPersistReader.read_metadata`` names its one differently, so its
@@ -35,6 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -49,6 +60,10 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "load_state_dict_no_dist",
     "dtensor_with_local",
+    "FILESYSTEM_WRITER_OPTIONS",
+    "default_storage",
+    "set_default_storage",
+    "check_filesystem_writer_options",
 ]
 
 CHECKED_TORCH = ("2.13.0",)
@@ -56,6 +71,45 @@ WRITER_IS_NOT_AN_ASYNC_STAGER = "_synchronize_after_execute"  # the AsyncStager 
 READ_METADATA_KWARGS = "kwargs"  # the parameter name that makes DCP retry read_metadata with rank=...
 
 EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
+
+
+def default_storage() -> tuple[type, type]:
+    """The (writer, reader) classes DCP tries first for a ``checkpoint_id``-only call."""
+    return _storage_utils.FileSystemWriter, _storage_utils.FileSystemReader
+
+
+def set_default_storage(writer: type, reader: type) -> None:
+    """Make DCP try ``writer`` / ``reader`` first for ``checkpoint_id``-only calls (fsspec's come after)."""
+    _storage_utils.FileSystemWriter = writer  # type: ignore[misc, assignment]
+    _storage_utils.FileSystemReader = reader  # type: ignore[misc, assignment]
+
+
+# FileSystemWriter's keyword arguments (torch 2.13) that FastPersistWriter takes with no effect, and why.
+FILESYSTEM_WRITER_OPTIONS = {
+    "single_file_per_rank": "each rank writes lanes_per_dir files into each directory",
+    "sync_files": "data files are always fsynced before .metadata is published (the commit protocol)",
+    "thread_count": "requests in flight are set by IOConfig (queue_depth, io_threads)",
+    "per_thread_copy_ahead": "device-to-host copies are pipelined by IOConfig.staging_chunk",
+    "cache_staged_state_dict": "snapshot mode keeps its host arena between saves",
+}
+
+
+def check_filesystem_writer_options(options: dict[str, Any]) -> None:
+    """Accept ``FileSystemWriter`` keyword arguments that change nothing here; refuse the others by name."""
+    for name, value in options.items():
+        if name in FILESYSTEM_WRITER_OPTIONS:
+            continue
+        if name == "_extensions":
+            if value:
+                raise ValueError(
+                    "FastPersistWriter stores raw tensor bytes and takes no stream extensions (_extensions); "
+                    "use FileSystemWriter for compressed checkpoints"
+                )
+        elif name == "serialization_format":
+            if getattr(value, "name", value) != "TORCH_SAVE":
+                raise ValueError(f"FastPersistWriter writes its own format; serialization_format={value!r} is not it")
+        else:
+            raise TypeError(f"FastPersistWriter got an unexpected keyword argument {name!r}")
 
 
 def load_state_dict_no_dist(state_dict: dict[str, Any], reader: StorageReader, planner: LoadPlanner) -> None:

@@ -51,9 +51,7 @@ def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, timeout: 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, store, fn, args, results), daemon=True) for r in range(world)
-        ]
+        procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, results)) for r in range(world)]
         for p in procs:
             p.start()
         got: dict[int, tuple[bool, Any]] = {}

@@ -278,3 +278,18 @@ def test_progress_text_units_rate_and_eta():
 def test_human_sizes():
     sizes = (0, 1023, 1024, 1536 * 1024, 3 << 30, 5 << 40)
     assert [human(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.5 MiB", "3.0 GiB", "5120.0 GiB"]
+
+
+@pytest.mark.parametrize("fio", [True, False])
+def test_bench_measures_against_fio_when_it_is_installed(monkeypatch, fio):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: f"/usr/bin/{name}" if fio else None)
+    r = fake_report()
+    methods = r["methods"]
+    assert (bench.FIO in methods) is fio
+    if fio:
+        fp, limit = methods["fp-dcp"], methods[bench.FIO]
+        assert r["ratios"]["save_vs_fio"] == pytest.approx(fp["save_gbps"] / limit["save_gbps"])
+        assert r["ratios"]["load_vs_fio"] == pytest.approx(fp["load_gbps"] / limit["load_gbps"])
+        assert "save >= 0.85 x fio" in r["bars"] and "load >= 0.85 x fio" in r["bars"]
+    else:
+        assert r["ratios"]["save_vs_fio"] is None and "save >= 0.85 x dd" in r["bars"]

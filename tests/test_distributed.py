@@ -242,3 +242,22 @@ def test_rank_error_helper_reports_the_failing_rank():
 def _boom_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("boom")
+
+
+def _empty_on_one_rank(rank: int, world: int, path: str, engine: str, direct: bool) -> list[str]:
+    from fp_dcp import IOConfig
+
+    mesh = init_device_mesh("cpu", (world,))
+    config = IOConfig(engine=engine, direct_io=direct)
+    # one row over two ranks: rank 1's shard is empty, and so is every item it is given
+    state = {"row": distribute_tensor(torch.arange(4.0).reshape(1, 4), mesh, [Shard(0)]), "z": torch.zeros(0, 1024)}
+    dcp.save(state, storage_writer=FastPersistWriter(path, config=config))
+    back = {"row": distribute_tensor(torch.zeros(1, 4), mesh, [Shard(0)]), "z": torch.ones(0, 1024)}
+    dcp.load(back, storage_reader=FastPersistReader(path, config=config))
+    bad = [] if torch.equal(back["row"].full_tensor(), torch.arange(4.0).reshape(1, 4)) else ["row"]
+    return bad + ([] if back["z"].shape == (0, 1024) else ["z"])
+
+
+@pytest.mark.parametrize(("engine", "direct"), [("io_uring", True), ("threads", False)])
+def test_a_rank_that_owns_only_empty_items(ckpt, engine, direct):
+    assert run_ranks(2, _empty_on_one_rank, str(ckpt), engine, direct) == [[], []]

@@ -34,8 +34,10 @@ def test_wheel_holds_the_extension_and_the_kernel(wheel):
     assert not any(n.startswith("cuda/") for n in names)  # never a top-level package named cuda
 
 
-def test_installed_wheel_finds_its_kernel(wheel, tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(wheel, tmp_path_factory) -> Path:
+    """The wheel installed into a directory of its own."""
+    site = tmp_path_factory.mktemp("site")
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
         capture_output=True,
@@ -43,6 +45,10 @@ def test_installed_wheel_finds_its_kernel(wheel, tmp_path):
         timeout=300,
     )
     assert install.returncode == 0, install.stderr
+    return site
+
+
+def test_installed_wheel_finds_its_kernel(site, tmp_path):
     probe = "import fp_dcp.gpu.gather as g; print(g.__file__); print(g.kernel_source())"
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = subprocess.run(
@@ -58,3 +64,24 @@ def test_installed_wheel_finds_its_kernel(wheel, tmp_path):
     assert module.startswith(str(site)), module  # the installed copy, not the source tree
     assert kernel == str(site / "fp_dcp" / "gpu" / "kernels" / "gather.cu")
     assert Path(kernel).read_bytes() == (ROOT / "cuda" / "gather.cu").read_bytes()
+
+
+def test_installed_wheel_makes_fp_dcp_the_default_storage_only_when_asked(wheel, site, tmp_path):
+    assert "fp_dcp_default_storage.pth" in zipfile.ZipFile(wheel).namelist()
+    # site.addsitedir runs the .pth files as interpreter start-up does for site-packages; the probe
+    # itself never imports fp_dcp.
+    probe = (
+        f"import site; site.addsitedir({str(site)!r}); "
+        "import torch.distributed.checkpoint._storage_utils as s; print(s.FileSystemWriter.__name__)"
+    )
+    chosen = {}
+    for value in ("1", "0", None):
+        env = {k: v for k, v in os.environ.items() if k != "FP_DCP_DEFAULT_STORAGE"}
+        if value is not None:
+            env["FP_DCP_DEFAULT_STORAGE"] = value
+        run = subprocess.run(
+            [sys.executable, "-I", "-c", probe], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120
+        )
+        assert run.returncode == 0, run.stderr
+        chosen[value] = run.stdout.strip()
+    assert chosen == {"1": "FastPersistWriter", "0": "FileSystemWriter", None: "FileSystemWriter"}

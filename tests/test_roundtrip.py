@@ -224,3 +224,15 @@ def test_progress_is_logged_when_asked_for(ckpt, caplog):
     caplog.clear()
     save(state, ckpt)  # default level: quiet
     assert not [r for r in caplog.records if r.name == "fp_dcp"]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_state_of_empty_tensors_only(tmp_path, engine):
+    state = {"z": torch.zeros(0), "wide": torch.zeros(0, 1024), "bf": torch.empty(3, 0, dtype=torch.bfloat16)}
+    for name, sd in {"one": {"z": state["z"]}, "all": state}.items():
+        writer = save(sd, tmp_path / name, config=ENGINES[engine])
+        assert writer.last_save.bytes == 0
+        target = empty_like(sd)
+        load(target, tmp_path / name, config=ENGINES[engine])
+        for k in sd:
+            assert same_bytes(target[k], sd[k]), k

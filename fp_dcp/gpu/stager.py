@@ -174,6 +174,11 @@ class AsyncSaves:
         _save_thread.guard = _EndGuard(save)  # replaces (and so ends) a guard of an earlier save on this thread
         return save
 
+    def unbegun(self) -> list[StagedSave]:
+        """Staged saves whose ``set_up_storage_writer`` has not run yet."""
+        with self._lock:
+            return [s for s in self.saves if not s.begun and not s.ended.is_set()]
+
     def pending(self) -> bool:
         with self._lock:
             return any(not s.ended.is_set() for s in self.saves)

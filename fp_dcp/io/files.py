@@ -102,6 +102,8 @@ def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
 
 def preallocate(f: DataFile, size: int) -> None:
     """Reserve ``size`` bytes for ``f`` now: a full disk fails here, cleanly, before any data is written."""
+    if size == 0:
+        return  # a file of empty items only; fallocate refuses a length of 0 (EINVAL)
     try:
         _cio.fallocate(f.fd, 0, size)
     except OSError as e:

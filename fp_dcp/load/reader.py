@@ -55,7 +55,9 @@ class FastPersistReader(StorageReader):
     writers.
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory. Optional: DCP's ``checkpoint_id``
+            overrides it (``dcp.load(sd, checkpoint_id=..., storage_reader=r)``);
+            a load with neither fails with a ``ValueError`` saying so.
         verify_checksums: check each wholly read item against its stored
             CRC-32C (costs about 0.07 CPU-seconds per GB); a mismatch raises
             ``CorruptCheckpointError`` naming the item and file.
@@ -66,18 +68,24 @@ class FastPersistReader(StorageReader):
             directories moved along with the checkpoint, and the checkpoint
             directory itself).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
+        _extension_registry: as for torch's ``FileSystemReader`` (so code
+            constructing one takes this class unchanged); used when the
+            checkpoint is a stock DCP one written with stream extensions.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
         verify_checksums: bool = True,
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
         config: IOConfig | None = None,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self._default_path = os.fspath(path) if path is not None else None
+        self._path = self._default_path
+        self._extension_registry = _extension_registry
         self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
         self.verify_checksums = verify_checksums
         self.config = config if config is not None else IOConfig()
@@ -92,8 +100,17 @@ class FastPersistReader(StorageReader):
     # ----------------------------------------------------------- DCP contract
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+        self._path = os.fspath(checkpoint_id) if checkpoint_id else self._default_path
+
+    @property
+    def path(self) -> str:
+        """The directory the next load reads: the last ``checkpoint_id``, else the constructor's ``path``."""
+        if self._path is None:
+            raise ValueError(
+                "FastPersistReader has no checkpoint directory: pass one as FastPersistReader(path) "
+                "or as checkpoint_id= to dcp.load"
+            )
+        return self._path
 
     # The variadic keyword parameter is deliberately not named ``kwargs``
     # (fp_dcp.compat.READ_METADATA_KWARGS): fp-dcp writes no per-rank metadata,
@@ -107,7 +124,9 @@ class FastPersistReader(StorageReader):
         self._metadata_crc = checkpoint.metadata_crc
         metadata = checkpoint.metadata
         if checkpoint.kind == "dcp":
-            self._stock = FileSystemReader(self.path)  # reads through set_up_storage_reader's metadata: no re-read
+            self._stock = FileSystemReader(
+                self.path, self._extension_registry
+            )  # reads through set_up_storage_reader's metadata: no re-read
         else:
             self._catalog = Catalog(checkpoint)
         if metadata.storage_meta is None:
@@ -177,8 +196,8 @@ class FastPersistReader(StorageReader):
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_NAME))
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.path
+    def checkpoint_id(self) -> str | None:
+        return self._path
 
     # -------------------------------------------------------------- resources
 

@@ -85,16 +85,19 @@ class FastPersistSavePlanner(DefaultSavePlanner):
         self._row_chunks: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        sent = super().create_local_plan()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world == 1:
-            return plan
+            return sent
+        # With plan caching, an unchanged plan is sent as an empty "unusable" one and the
+        # cached final plan is written; the row chunks it names must be known all the same.
+        full = self.plan
         self._row_chunks = {}
         items: list[WriteItem] = []
-        for item in plan.items:
+        for item in full.items:
             items += self._split(item, world)
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
+        self.plan = dataclasses.replace(full, items=items)
+        return self.plan if sent.usable else sent
 
     def _split(self, item: WriteItem, world: int) -> list[WriteItem]:
         data = item.tensor_data

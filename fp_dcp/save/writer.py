@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint import published_files
+from ..compat import check_filesystem_writer_options
 from ..config import IOConfig
 from ..errors import CheckpointExistsError
 from ..format import METADATA_NAME, data_file_name, encode_metadata, file_index
@@ -61,10 +62,32 @@ class SaveSummary:
 
 @dataclasses.dataclass(frozen=True)
 class _RankFiles:
-    """``SavePlan.storage_data``: which files a rank writes in this save."""
+    """``SavePlan.storage_data``: the rank whose files a plan's items go to.
+
+    It carries no file names: with DCP's plan caching a rank reuses its
+    first save's final plan, so anything per save must come from the rank
+    itself (each rank picks its own file token in ``set_up_storage_writer``).
+    """
 
     rank: int
-    token: str
+
+
+# Resources of writers unpickled in this process, by writer id. DCP's
+# process executor sends a fresh pickled copy of the writer with every save;
+# this lets all copies of one writer share warm buffers and one engine.
+_RUNTIMES: dict[str, _Runtime] = {}
+
+
+class _Runtime:
+    """What a writer keeps between saves and never pickles."""
+
+    def __init__(self, config: IOConfig) -> None:
+        self.staging = Staging(config)
+        self.io = IOResources(config)
+
+    def close(self) -> None:
+        self.staging.close()  # first: it unpins the pool buffers, which the engine then unmaps
+        self.io.close()
 
 
 class FastPersistWriter(StorageWriter):
@@ -98,7 +121,11 @@ class FastPersistWriter(StorageWriter):
     (the default).
 
     Args:
-        path: checkpoint directory; created if missing.
+        path: checkpoint directory; created if missing. Optional: DCP's
+            ``checkpoint_id`` (``dcp.save(sd, checkpoint_id=..., storage_writer=w)``)
+            overrides it for that save and the ones after it, so one writer
+            serves a directory per step. A save with neither fails with a
+            ``ValueError`` saying so.
         overwrite: replace a checkpoint already published at ``path``. The old
             one stays loadable until the new one is published, and its files
             are removed only then. With False, an existing checkpoint makes
@@ -120,6 +147,10 @@ class FastPersistWriter(StorageWriter):
             (kept and reused across saves) on a side stream, and
             ``staging_completion`` fires when the copy is done; the write may
             then span several steps. Host memory: the state's size, once.
+        **filesystem_writer_options: the keyword arguments of torch's
+            ``FileSystemWriter`` are accepted, so that code constructing one
+            takes this class unchanged (``fp_dcp.compat.check_filesystem_writer_options``
+            says what each one does here).
 
     One writer runs one save at a time (async saves queue behind each other).
     It keeps its staging buffers, I/O engine and snapshot between saves
@@ -133,25 +164,38 @@ class FastPersistWriter(StorageWriter):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
         overwrite: bool = True,
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
         lanes_per_dir: int = 1,
         config: IOConfig | None = None,
         mode: Mode = "streaming",
+        **filesystem_writer_options: Any,
     ) -> None:
         super().__init__()
-        self.path = checkpoint_directory(path)
+        check_filesystem_writer_options(filesystem_writer_options)
+        self._default_path = checkpoint_directory(path) if path is not None else None
+        self._path = self._default_path
         self.overwrite = overwrite
         self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
         self.lanes_per_dir = lanes_per_dir
-        self.placement = Placement(self.path, self.data_dirs, lanes_per_dir)
+        self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir)  # checks the arguments
         self.config = config if config is not None else IOConfig()
         if mode not in ("streaming", "snapshot"):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
         self.mode: Mode = mode
-        self._staging = Staging(self.config)
+        self._id = uuid.uuid4().hex
+        self._start()
+
+    def _start(self) -> None:
+        """The per-process state: made by ``__init__`` and again where the writer is unpickled."""
+        runtime = _RUNTIMES.get(self._id)
+        if runtime is None:
+            runtime = _Runtime(self.config)
+        self._runtime = runtime
+        self._staging = runtime.staging
+        self._io = runtime.io
         self._async = AsyncSaves()
         self._staged: StagedSave | None = None  # the async save now running, if any
         self._busy = threading.Lock()  # held while a save's data is written
@@ -160,27 +204,58 @@ class FastPersistWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = False
         self.last_save: SaveSummary | None = None
-        self._io = IOResources(self.config)
         self._lock: commit.SaveLock | None = None
         self._replaced: set[str] = set()
         self._token = ""
 
+    # What travels to DCP's checkpoint process: the settings and the current directory.
+    _PICKLED = ("_default_path", "_path", "overwrite", "data_dirs", "lanes_per_dir", "config", "mode", "_id")
+
+    def __getstate__(self) -> dict[str, Any]:
+        waiting = self._async.unbegun()
+        if waiting:
+            error = TypeError(
+                "FastPersistWriter was passed as async_stager to a save that pickles it (DCP's "
+                "AsyncCheckpointerType.PROCESS); its staging works in this process only: omit async_stager "
+                "(torch's stager then copies the state for the checkpoint process) or use the thread executor"
+            )
+            for save in waiting:
+                save.fail(error)
+                save.end()
+            raise error
+        return {name: self.__dict__[name] for name in self._PICKLED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
+        _RUNTIMES[self._id] = self._runtime
+
+    @property
+    def path(self) -> str:
+        """The directory the next save writes to: the last ``checkpoint_id``, else the constructor's ``path``."""
+        if self._path is None:
+            raise ValueError(
+                "FastPersistWriter has no checkpoint directory: pass one as FastPersistWriter(path) "
+                "or as checkpoint_id= to dcp.save / dcp.async_save"
+            )
+        return self._path
+
     # ----------------------------------------------------------- DCP contract
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = checkpoint_directory(checkpoint_id)
+        self._path = checkpoint_directory(checkpoint_id) if checkpoint_id else self._default_path
 
     # DCP calls reset() only when a checkpoint_id is passed, so every save starts here.
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._release_lock()  # left over if the previous save failed on some rank
         self._staged = self._async.begin()
         self.save_id = str(uuid.uuid4())
+        self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
         if not kwargs.get("use_collectives", True):
             raise ValueError("FastPersistWriter needs use_collectives=True: one coordinator publishes the checkpoint")
         self.rank = kwargs.get("rank") or 0
         self.is_coordinator = is_coordinator
-        self.path = checkpoint_directory(self.path)
+        self._path = checkpoint_directory(self.path)
         self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
         os.makedirs(self.path, exist_ok=True)
         for directory in self.placement.directories:
@@ -195,14 +270,14 @@ class FastPersistWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
-        return [dataclasses.replace(p, storage_data=_RankFiles(rank, self._token)) for rank, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=_RankFiles(rank)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         spec = plan.storage_data
         if not isinstance(spec, _RankFiles):
             raise RuntimeError(
-                "FastPersistWriter.prepare_global_plan did not run for this save (cached plans are not supported)"
+                f"the save plan was not prepared by FastPersistWriter.prepare_global_plan "
+                f"(its storage_data is {type(spec).__name__})"
             )
         staged, self._staged = self._staged, None  # the async_save this is, from set_up; None for dcp.save
         controls = SaveControls(self._cancel, staged.release if staged else None)
@@ -226,7 +301,7 @@ class FastPersistWriter(StorageWriter):
         engine, pool = self._io.get()
         groups = split_items(plan.items, self.placement.files_per_rank)
         targets = [
-            (os.path.join(self.placement.directory_of(k), data_file_name(spec.rank, k, spec.token)), items)
+            (os.path.join(self.placement.directory_of(k), data_file_name(spec.rank, k, self._token)), items)
             for k, items in enumerate(groups)
             if items
         ]
@@ -252,11 +327,20 @@ class FastPersistWriter(StorageWriter):
         for file, offset, length, _ in storage_data.values():
             sizes[file] = max(sizes.get(file, 0), align_up(offset + length, PAGE))
         entries = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = DCP_METADATA_VERSION
-        written_by = {"engine": self.last_save.describe_io()} if self.last_save else {}  # the coordinator's
-        encoded = encode_metadata(metadata, entries, {"save_id": self.save_id, **written_by, **self.placement.footer()})
+        # DCP's plan caching hands every save the same Metadata object: encode this save's own copy,
+        # then fill the shared one in too (DCP returns it to the caller, as with FileSystemWriter).
+        this_save = dataclasses.replace(
+            metadata, storage_data=storage_data, storage_meta=self.storage_meta(), version=DCP_METADATA_VERSION
+        )
+        metadata.storage_data, metadata.storage_meta, metadata.version = (
+            this_save.storage_data,
+            this_save.storage_meta,
+            this_save.version,
+        )
+        footer = {"save_id": self.save_id, **self.placement.footer()}
+        if self.last_save:
+            footer["engine"] = self.last_save.describe_io()  # the coordinator's
+        encoded = encode_metadata(this_save, entries, footer)
         try:
             try:
                 commit.publish(self.path, encoded, self._token)
@@ -281,8 +365,8 @@ class FastPersistWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @property
-    def checkpoint_id(self) -> str:
-        return self.path
+    def checkpoint_id(self) -> str | None:
+        return self._path
 
     def _remove_files(self, names: Iterable[str]) -> None:
         """Remove this save's data files (those this host can reach) and make the removal durable."""
@@ -334,9 +418,9 @@ class FastPersistWriter(StorageWriter):
     def close(self) -> None:
         """Wait for async saves in flight, then release the staging buffers, snapshot, I/O engine and lock."""
         self._async.close()
-        self._staging.close()  # first: it unpins the pool buffers, which the engine then unmaps
         self._release_lock()
-        self._io.close()
+        self._runtime.close()
+        _RUNTIMES.pop(self._id, None)
 
     def __enter__(self) -> FastPersistWriter:
         return self
