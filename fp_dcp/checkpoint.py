@@ -36,8 +36,9 @@ from typing import Any, Literal
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import _cio
+from .compat import is_item_location, item_fields
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
-from .format import METADATA_NAME, decode_metadata, is_fp_metadata
+from .format import METADATA_NAME, ItemLocation, decode_metadata, is_fp_metadata
 
 __all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files"]
 
@@ -82,12 +83,19 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
 
 
 def _stock_metadata(data: bytes) -> Metadata | None:
-    """The ``Metadata`` in torch FileSystemWriter ``.metadata`` bytes (entries with a relative_path), else None."""
+    """The ``Metadata`` in torch FileSystemWriter ``.metadata`` bytes, else None.
+
+    Its entries have a ``relative_path``, and none is an fp-dcp location (fp-dcp
+    metadata whose trailer is damaged must not pass for a stock checkpoint).
+    """
     try:
         metadata = pickle.loads(data)
     except Exception:  # any unpickling failure means: not a stock checkpoint's metadata
         return None
-    if isinstance(metadata, Metadata) and all(hasattr(v, "relative_path") for v in metadata.storage_data.values()):
+    if not isinstance(metadata, Metadata):
+        return None
+    entries = metadata.storage_data.values()
+    if all(hasattr(v, "relative_path") and not is_item_location(v) for v in entries):
         return metadata
     return None
 
@@ -113,6 +121,11 @@ def open_checkpoint(
         files = {name: os.path.join(directory, name) for name in names}
         return Checkpoint(directory, "dcp", stock, None, files, {}, crc)
     metadata, footer = decode_metadata(data, where)
+    # every reader of an opened checkpoint sees locations as ItemLocation tuples, whatever the version
+    try:
+        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
     files = _locate(directory, metadata, footer, data_dirs)
     sizes = {name: entry["size"] for name, entry in footer["files"].items()}
     return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc)

@@ -34,6 +34,13 @@ Protocol details (public API, but behaviour fp-dcp depends on):
   ``validate_checkpoint_id`` accepts the id. ``default_storage`` and
   ``set_default_storage`` read and rebind exactly those two names (nothing
   else), which is all ``fp_dcp.install()`` changes.
+- ``.metadata`` stores each item's location as torch's own
+  ``filesystem._StorageInfo`` (file, offset, length) with two additions: a
+  ``crc32c`` attribute (pickled with the instance's ``__dict__``) and a
+  transform descriptor that no torch extension registry knows. torch's
+  ``FileSystemReader``, which cannot read fp-dcp's raw bytes, then fails with
+  ``ValueError: Unknown extension name='fp-dcp raw tensor bytes (...)'``,
+  a message naming fp-dcp and the fix (``item_location`` and ``item_fields``).
 - DCP retries a failed ``StorageReader.read_metadata`` with ``rank=...``
   only when the method has a parameter literally named ``kwargs``;
   ``FastPersistReader.read_metadata`` names its one differently, so its
@@ -48,6 +55,7 @@ import torch
 from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
@@ -62,6 +70,10 @@ __all__ = [
     "dtensor_with_local",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
+    "STOCK_READER_HINT",
+    "item_location",
+    "item_fields",
+    "is_item_location",
     "set_default_storage",
     "check_filesystem_writer_options",
 ]
@@ -71,6 +83,33 @@ WRITER_IS_NOT_AN_ASYNC_STAGER = "_synchronize_after_execute"  # the AsyncStager 
 READ_METADATA_KWARGS = "kwargs"  # the parameter name that makes DCP retry read_metadata with rank=...
 
 EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
+
+
+# The "name" of a transform descriptor ends at its first "/": this one has none.
+STOCK_READER_HINT = (
+    "fp-dcp raw tensor bytes (torch's FileSystemReader cannot read an fp-dcp checkpoint: load it with "
+    "fp_dcp.FastPersistReader, or call fp_dcp.install() first, or convert it with: fp-dcp convert CKPT OUT --to dcp)"
+)
+
+
+def item_location(file: str, offset: int, length: int, crc32c: int) -> Any:
+    """A ``storage_data`` value of ``.metadata`` (format version 2)."""
+    info = _StorageInfo(file, offset, length, [f"{STOCK_READER_HINT}/1"])
+    info.crc32c = crc32c  # type: ignore[attr-defined]
+    return info
+
+
+def is_item_location(value: Any) -> bool:
+    """Whether a ``storage_data`` value is fp-dcp's (format version 2), not a stock ``_StorageInfo``."""
+    return "crc32c" in getattr(value, "__dict__", {})
+
+
+def item_fields(value: Any) -> tuple[str, int, int, int]:
+    """(file, offset, length, crc32c) of a ``storage_data`` value, either format version."""
+    if isinstance(value, tuple):  # format version 1: a plain tuple
+        file, offset, length, crc32c = value
+        return file, offset, length, crc32c
+    return value.relative_path, value.offset, value.length, value.__dict__["crc32c"]
 
 
 def default_storage() -> tuple[type, type]:

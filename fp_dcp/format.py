@@ -7,8 +7,8 @@ A checkpoint is a directory with
   ``token`` is unique per save, so a new save never touches the files of the
   checkpoint it replaces;
 - ``.metadata``: a pickled ``torch.distributed.checkpoint.Metadata`` whose
-  ``storage_data`` maps each ``MetadataIndex`` to a plain tuple
-  ``(file, offset, length, crc32c)``, followed by a JSON footer (format
+  ``storage_data`` maps each ``MetadataIndex`` to where the item is
+  (``fp_dcp.compat.item_fields``: file, offset, length, crc32c), followed by a JSON footer (format
   version, data file sizes, checksum of the pickle) and a 16-byte trailer.
   ``pickle.load`` stops at the end of the pickle, so DCP tools that unpickle
   ``.metadata`` still work.
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "fp-dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_NAME = ".metadata"
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import pickle
 
+import pytest
 import torch
 from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -28,3 +30,20 @@ def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):
 def test_dcp_retries_read_metadata_only_for_a_parameter_named_kwargs():
     assert f'"{compat.READ_METADATA_KWARGS}"' in inspect.getsource(state_dict_loader)
     assert compat.READ_METADATA_KWARGS not in inspect.signature(FastPersistReader.read_metadata).parameters
+
+
+def test_item_locations_keep_their_checksum_through_a_pickle_and_refuse_stock_readers():
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    location = pickle.loads(pickle.dumps(compat.item_location("__0_0.x.distcp", 4096, 10, 0xDEADBEEF)))
+    assert compat.item_fields(location) == ("__0_0.x.distcp", 4096, 10, 0xDEADBEEF)
+    assert compat.item_fields(("f", 1, 2, 3)) == ("f", 1, 2, 3)  # format version 1
+    with pytest.raises(ValueError, match="fp-dcp raw tensor bytes"):
+        ExtensionRegistry().from_descriptor_list(location.transform_descriptors)
+
+
+def test_default_storage_names_are_what_dcp_tries_for_a_checkpoint_id():
+    from torch.distributed.checkpoint import _storage_utils
+
+    assert "FileSystemWriter" in inspect.getsource(_storage_utils._storage_setup)
+    assert compat.default_storage() == (_storage_utils.FileSystemWriter, _storage_utils.FileSystemReader)

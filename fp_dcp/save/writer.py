@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint import published_files
-from ..compat import check_filesystem_writer_options
+from ..compat import check_filesystem_writer_options, item_location
 from ..config import IOConfig
 from ..errors import CheckpointExistsError
 from ..format import METADATA_NAME, data_file_name, encode_metadata, file_index
@@ -329,8 +329,9 @@ class FastPersistWriter(StorageWriter):
         entries = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
         # DCP's plan caching hands every save the same Metadata object: encode this save's own copy,
         # then fill the shared one in too (DCP returns it to the caller, as with FileSystemWriter).
+        stored = {index: item_location(*location) for index, location in storage_data.items()}
         this_save = dataclasses.replace(
-            metadata, storage_data=storage_data, storage_meta=self.storage_meta(), version=DCP_METADATA_VERSION
+            metadata, storage_data=stored, storage_meta=self.storage_meta(), version=DCP_METADATA_VERSION
         )
         metadata.storage_data, metadata.storage_meta, metadata.version = (
             this_save.storage_data,
