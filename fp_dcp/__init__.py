@@ -25,6 +25,7 @@ from .load.reader import FastPersistReader, LoadSummary
 from .load.verify import VerifyReport, verify_checkpoint
 from .save.planner import FastPersistSavePlanner
 from .save.writer import FastPersistWriter, SaveSummary
+from .training.manager import CheckpointManager, StepInfo, list_steps
 from .training.overlap import OverlappedCheckpointer
 
 __version__ = "0.1.0"
@@ -40,6 +41,9 @@ __all__ = [
     "verify_checkpoint",
     "VerifyReport",
     "OverlappedCheckpointer",
+    "CheckpointManager",
+    "StepInfo",
+    "list_steps",
     "install",
     "uninstall",
     "installed",

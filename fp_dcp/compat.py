@@ -41,6 +41,11 @@ Protocol details (public API, but behaviour fp-dcp depends on):
   ``FileSystemReader``, which cannot read fp-dcp's raw bytes, then fails with
   ``ValueError: Unknown extension name='fp-dcp raw tensor bytes (...)'``,
   a message naming fp-dcp and the fix (``item_location`` and ``item_fields``).
+- DCP caches save plans per planner class, not per storage writer, and a
+  cached plan keeps the ``storage_data`` its first save's writer put in it.
+  ``FastPersistWriter`` needs none, and puts what ``FileSystemWriter`` puts
+  there (``stock_plan_data``), so that either writer can follow the other in
+  one process with caching on.
 - DCP retries a failed ``StorageReader.read_metadata`` with ``rank=...``
   only when the method has a parameter literally named ``kwargs``;
   ``FastPersistReader.read_metadata`` names its one differently, so its
@@ -55,7 +60,7 @@ import torch
 from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
@@ -74,6 +79,7 @@ __all__ = [
     "item_location",
     "item_fields",
     "is_item_location",
+    "stock_plan_data",
     "set_default_storage",
     "check_filesystem_writer_options",
 ]
@@ -110,6 +116,11 @@ def item_fields(value: Any) -> tuple[str, int, int, int]:
         file, offset, length, crc32c = value
         return file, offset, length, crc32c
     return value.relative_path, value.offset, value.length, value.__dict__["crc32c"]
+
+
+def stock_plan_data(rank: int) -> Any:
+    """The ``SavePlan.storage_data`` ``FileSystemWriter.prepare_global_plan`` gives rank ``rank``'s plan."""
+    return _StoragePrefix(f"__{rank}_")
 
 
 def default_storage() -> tuple[type, type]:

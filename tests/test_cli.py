@@ -25,7 +25,7 @@ from fp_dcp.tools.inspect import human
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["inspect", "verify", "convert", "bench", "tune"]
+COMMANDS = ["inspect", "verify", "ls", "convert", "bench", "tune"]
 
 
 def state() -> dict:
@@ -294,3 +294,23 @@ def test_bench_measures_against_fio_when_it_is_installed(monkeypatch, fio):
         assert "save >= 0.85 x fio" in r["bars"] and "load >= 0.85 x fio" in r["bars"]
     else:
         assert r["ratios"]["save_vs_fio"] is None and "save >= 0.85 x dd" in r["bars"]
+
+
+def test_ls_lists_the_steps_of_a_run_and_exits_1_for_a_corrupt_one(tmp_path, capsys):
+    from fp_dcp import CheckpointManager
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=3) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((100,), float(step))})
+    (root / "step-4").mkdir()  # a save that died before publishing
+    flip(root / "step-2" / ".metadata", 20)
+    assert main(["ls", str(root)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    status = {int(line.split()[0]): line.split()[1] for line in lines[1:-1]}
+    assert status == {1: "complete", 2: "corrupt", 3: "complete", 4: "incomplete"}
+    flip(data_file(root / "step-3"), 10)
+    assert main(["ls", str(root), "--verify", "--json"]) == 1
+    listed = {s["step"]: s for s in json.loads(capsys.readouterr().out)}
+    assert listed[1]["status"] == "verified" and listed[3]["status"] == "corrupt"
+    assert "checksum mismatch for 'w'" in listed[3]["problem"]

@@ -257,3 +257,14 @@ def test_writer_as_async_stager_with_the_process_executor_fails_clearly_without_
         assert ok, value
         assert all("AsyncCheckpointerType.PROCESS" in e and "omit async_stager" in e for e in value), value
     assert not os.path.exists(os.path.join(tmp_path, "x", METADATA_NAME))
+
+
+def test_plan_caching_with_fp_dcp_and_filesystem_writer_in_one_process(tmp_path):
+    # DCP keys its plan cache by planner class, not by writer: each writer must take the other's cached plans
+    sd = state(7)
+    writers = [FastPersistWriter(), None, FastPersistWriter(), None]
+    for i, writer in enumerate(writers):
+        path = str(tmp_path / f"s{i}")
+        storage = writer if writer is not None else dcp.FileSystemWriter(path)
+        dcp.save(sd, checkpoint_id=path, storage_writer=storage, planner=DefaultSavePlanner(enable_plan_caching=True))
+        assert_same(loaded(path, sd), sd)  # FastPersistReader reads both formats

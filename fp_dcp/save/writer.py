@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint import published_files
-from ..compat import check_filesystem_writer_options, item_location
+from ..compat import check_filesystem_writer_options, item_location, stock_plan_data
 from ..config import IOConfig
 from ..errors import CheckpointExistsError
 from ..format import METADATA_NAME, data_file_name, encode_metadata, file_index
@@ -58,18 +58,6 @@ class SaveSummary:
     def describe_io(self) -> str:
         """``io_uring, O_DIRECT``: the engine and how the files were opened."""
         return f"{self.engine}, {'O_DIRECT' if self.direct_io else 'page cache'}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankFiles:
-    """``SavePlan.storage_data``: the rank whose files a plan's items go to.
-
-    It carries no file names: with DCP's plan caching a rank reuses its
-    first save's final plan, so anything per save must come from the rank
-    itself (each rank picks its own file token in ``set_up_storage_writer``).
-    """
-
-    rank: int
 
 
 # Resources of writers unpickled in this process, by writer id. DCP's
@@ -270,20 +258,18 @@ class FastPersistWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_RankFiles(rank)) for rank, p in enumerate(plans)]
+        # The writer needs nothing in the plans: each rank names its files itself (its rank from
+        # set_up_storage_writer, a new token per save), so that plans cached by DCP stay valid. They
+        # carry FileSystemWriter's storage_data instead: DCP caches plans per planner class, not per
+        # writer, so a FileSystemWriter save in this process may be handed a plan cached here.
+        return [dataclasses.replace(p, storage_data=stock_plan_data(rank)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        spec = plan.storage_data
-        if not isinstance(spec, _RankFiles):
-            raise RuntimeError(
-                f"the save plan was not prepared by FastPersistWriter.prepare_global_plan "
-                f"(its storage_data is {type(spec).__name__})"
-            )
         staged, self._staged = self._staged, None  # the async_save this is, from set_up; None for dcp.save
         controls = SaveControls(self._cancel, staged.release if staged else None)
         try:
             with self._busy:  # async saves run in DCP's threads: one pipeline at a time
-                return self._write_data(plan, planner, spec, controls, staged)
+                return self._write_data(plan, planner, controls, staged)
         except BaseException as e:
             self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
             if staged is not None:
@@ -295,13 +281,13 @@ class FastPersistWriter(StorageWriter):
                 staged.end()
 
     def _write_data(
-        self, plan: SavePlan, planner: SavePlanner, spec: _RankFiles, controls: SaveControls, staged: StagedSave | None
+        self, plan: SavePlan, planner: SavePlanner, controls: SaveControls, staged: StagedSave | None
     ) -> Future[list[WriteResult]]:
         start = time.perf_counter()
         engine, pool = self._io.get()
         groups = split_items(plan.items, self.placement.files_per_rank)
         targets = [
-            (os.path.join(self.placement.directory_of(k), data_file_name(spec.rank, k, self._token)), items)
+            (os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token)), items)
             for k, items in enumerate(groups)
             if items
         ]

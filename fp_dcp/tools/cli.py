@@ -2,6 +2,7 @@
 
     fp-dcp inspect PATH [--json]             what a checkpoint holds
     fp-dcp verify PATH                       check every checksum and the metadata
+    fp-dcp ls ROOT [--verify]                the steps of a run (CheckpointManager's root)
     fp-dcp convert SRC DST --to FORMAT       fp-dcp / stock DCP / torch.save / safetensors
     fp-dcp bench [--plot out.png]            the benchmark (fp-dcp bench)
     fp-dcp tune DIR                          the best I/O settings for a directory, in a minute
@@ -27,7 +28,7 @@ from typing import TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import __version__, verify_checkpoint
+from .. import __version__, list_steps, verify_checkpoint
 from ..io.progress import progress_text
 from ..units import MiB
 from . import bench
@@ -114,6 +115,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         )
         print(f"{args.path}: {verdict}: {plural(report.items, 'item')}, {checked}, in {seconds:.1f} s")
     return 0 if intact else 1
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    steps = list_steps(args.root, verify=args.verify)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in steps], indent=2))
+    else:
+        print(f"{'step':>10}  {'status':<10}  {'size':>10}  {'published (UTC)':<19}  problem")
+        for s in steps:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.published)) if s.published else "-"
+            print(f"{s.step:>10}  {s.status:<10}  {human(s.bytes):>10}  {when:<19}  {s.problem}")
+        print(f"{args.root}: {plural(len(steps), 'step')}")
+    return 0 if all(s.status != "corrupt" for s in steps) else 1
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -229,6 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser(
+        "ls",
+        parents=[common],
+        help="list the steps of a run (a CheckpointManager root)",
+        description="List the step-N checkpoints under a run's root: step, status (complete, verified, incomplete, "
+        "corrupt), size, when it was published, and what is wrong with it. Exits 1 if a step is corrupt.",
+    )
+    p.add_argument("root", help="the run's root directory")
+    p.add_argument("--verify", action="store_true", help="check every checksum of every step (reads all data)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=_cmd_ls)
 
     p = sub.add_parser(
         "convert",

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Crash trials of ``CheckpointManager``: kill -9 a training loop at random moments, then restore.
+
+    python benchmarks/manager_crash_trials.py --trials 100 [--dir DIR] [--mib 8]
+
+One run root; each trial starts a child that restores from it (as a job
+resuming after a crash would), then saves step after step (asynchronously,
+``keep_last=2``, so saves, retention's renames and removals, and the
+cleanup of earlier kills' leftovers all happen) until it is killed with
+SIGKILL at a random moment, uniform over ``--max-delay`` seconds. Then a
+fresh process restores the root, with a deadline, and checks what it got:
+
+- ``ok``: a step whose tensors are bit-exact what was saved for it (each
+  step's values follow from its number), not older than the last trial's;
+- ``none``: nothing restorable yet (only before the first step is published).
+
+Anything else fails the run (exit status 1): ``wrong`` (other bytes),
+``older`` (a step older than one restored before: a published step was
+lost), ``error`` (the restore raised), ``hang`` (past the deadline). Trials
+alternate between the io_uring and thread engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = """
+import sys, torch
+from fp_dcp import CheckpointManager, IOConfig
+root, engine, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def state_at(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(rows, 1024, generator=g), "step": torch.tensor(step)}
+mgr = CheckpointManager(root, keep_last=2, config=IOConfig(engine=engine))
+start = (mgr.restore({"w": torch.zeros(rows, 1024), "step": torch.tensor(0)}) or 0) + 1
+print("ready", flush=True)
+for step in range(start, start + 100000):
+    mgr.save(step, state_at(step))
+"""
+
+CHECK = """
+import json, sys, torch
+from fp_dcp import CheckpointManager, IOConfig
+root, engine, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state = {"w": torch.zeros(rows, 1024), "step": torch.tensor(-1)}
+with CheckpointManager(root, config=IOConfig(engine=engine)) as mgr:
+    step = mgr.restore(state)
+exact = None
+if step is not None:
+    g = torch.Generator().manual_seed(step)
+    exact = torch.equal(state["w"], torch.randn(rows, 1024, generator=g)) and int(state["step"]) == step
+print(json.dumps({"step": step, "exact": exact}))
+"""
+
+
+def trial(root: str, engine: str, rows: int, delay: float, deadline: float) -> dict:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, root, engine, str(rows)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert child.stdout is not None
+    if child.stdout.readline() != b"ready\n":
+        child.kill()
+        return {"outcome": "error", "why": "the child did not start (its restore failed?)"}
+    time.sleep(delay)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    try:
+        check = subprocess.run(
+            [sys.executable, "-c", CHECK, root, engine, str(rows)], capture_output=True, text=True, timeout=deadline
+        )
+    except subprocess.TimeoutExpired:
+        return {"outcome": "hang"}
+    if check.returncode != 0:
+        return {"outcome": "error", "why": check.stderr.strip().splitlines()[-1:]}
+    return json.loads(check.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--mib", type=int, default=8, help="state size in MiB (default 8)")
+    ap.add_argument("--max-delay", type=float, default=1.0, help="kill within this many seconds of start-up")
+    ap.add_argument("--deadline", type=float, default=120.0, help="seconds a restore may take before it is a hang")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    rows = args.mib * 256  # rows of 1024 float32
+    outcomes: collections.Counter[str] = collections.Counter()
+    newest = None
+    with tempfile.TemporaryDirectory(prefix="fp-dcp-manager-trials-", dir=args.dir) as tmp:
+        root = os.path.join(tmp, "run")
+        for i in range(args.trials):
+            engine = ("io_uring", "threads")[i % 2]
+            result = trial(root, engine, rows, rng.uniform(0.0, args.max_delay), args.deadline)
+            step = result.get("step")
+            if "outcome" in result:
+                outcome = result["outcome"]
+            elif step is None:
+                outcome = "none" if newest is None else "older"
+            elif not result["exact"]:
+                outcome = "wrong"
+            elif newest is not None and step < newest:
+                outcome = "older"
+            else:
+                outcome, newest = "ok", step
+            outcomes[outcome] += 1
+            if outcome not in ("ok", "none"):
+                print(f"trial {i + 1} ({engine}): {outcome} {result}", flush=True)
+    print(f"{args.trials} kills, {args.mib} MiB state: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    print(f"newest step restored: {newest}")
+    return 0 if set(outcomes) <= {"ok", "none"} else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
