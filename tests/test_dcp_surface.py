@@ -230,7 +230,7 @@ def _process_saves(rank: int, world: int, root: str) -> list:
 def test_process_executor_saves_in_a_row_and_reports_a_failure(tmp_path):
     for ranks in run_ranks(2, _process_saves, str(tmp_path), timeout=300):
         assert ranks[:3] == [True, True, True]
-        assert "already published" in ranks[3] and "overwrite=False" in ranks[3]
+        assert "Checkpoint already exists" in ranks[3] and "overwrite=False" in ranks[3]
         assert ranks[4] is True
 
 

@@ -250,7 +250,7 @@ class FastPersistWriter(StorageWriter):
             os.makedirs(directory, exist_ok=True)
         if is_coordinator:
             if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_NAME)):
-                raise CheckpointExistsError(f"a checkpoint is already published in {self.path} and overwrite=False")
+                raise CheckpointExistsError(f"Checkpoint already exists in {self.path} (published) and overwrite=False")
             self._lock = commit.SaveLock(self.path)
             self._replaced = published_files(self.path)
 
