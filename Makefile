@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,dev]'
-	$(PY) -m pip install -q lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 || echo "warning: framework packages not installed: tests/test_frameworks.py will skip" >&2
+	$(PY) -m pip install -q lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 torchtune==0.6.1 torchao==0.15.0 || echo "warning: framework packages not installed: tests/test_frameworks.py will skip" >&2
 	touch $@
 
 build: system-deps $(STAMP)

@@ -283,3 +283,90 @@ def test_torchtitan_checkpoint_manager_async_resumes_bit_exact_through_fp_dcp(tm
         assert resumed[rank]["losses"] == full[rank]["losses"][TITAN_SAVE_AT:]
         assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
         assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+
+
+# ---- torchtune: DistributedCheckpointer builds torch's FileSystemWriter / FileSystemReader itself ----
+
+TUNE_STEPS, TUNE_SAVE_AT = 6, 3
+
+
+def torchtune_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, Any]:
+    from unittest import mock
+
+    from torch.distributed.checkpoint.state_dict import _init_optim_state, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torchtune import training
+    from torchtune.training.checkpointing import DistributedCheckpointer
+
+    import fp_dcp
+
+    distributed_env(rank, world)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(TUNE_STEPS)]
+    # An async save runs DCP's collectives in a background thread while training runs FSDP's: on a
+    # gloo-only job they need a group of their own (on GPUs torchtune's "cuda:nccl,cpu:gloo" separates them).
+    group = torch.distributed.new_group(backend="gloo")
+    checkpointer = DistributedCheckpointer(checkpoint_dir=root, output_dir=root, process_group=group)
+    # DistributedCheckpointer names FileSystemWriter / FileSystemReader as imported into its (private)
+    # module; rebinding them there is the whole recipe.
+    fp_storage = mock.patch.multiple(
+        "torchtune.training.checkpointing._checkpointer",
+        FileSystemWriter=fp_dcp.FastPersistWriter,
+        FileSystemReader=fp_dcp.FastPersistReader,
+    )
+
+    def state(epoch: int) -> dict[str, Any]:
+        # What torchtune's CheckpointClient hands to DistributedCheckpointer.
+        return {
+            training.SEED_KEY: 0,
+            training.EPOCHS_KEY: epoch,
+            training.TOTAL_EPOCHS_KEY: TUNE_STEPS,
+            training.MAX_STEPS_KEY: 1,
+            training.MODEL_KEY: net.state_dict(),
+            training.OPT_KEY: optimizer.state_dict(),
+        }
+
+    if resume:
+        # CheckpointClient.load_distributed_checkpoint, step by step.
+        _init_optim_state(optimizer)
+        with fp_storage:
+            loaded = checkpointer.load_checkpoint(
+                state(0), checkpoint_path=os.path.join(root, f"dist_epoch_{TUNE_SAVE_AT}")
+            )
+        assert loaded[training.EPOCHS_KEY] == TUNE_SAVE_AT
+        set_state_dict(
+            net, optimizer, model_state_dict=loaded[training.MODEL_KEY], optim_state_dict=loaded[training.OPT_KEY]
+        )
+    losses = []
+    for step in range(TUNE_SAVE_AT + 1 if resume else 1, TUNE_STEPS + 1):
+        x, y = batches[step - 1]
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if not resume and step in (TUNE_SAVE_AT, TUNE_STEPS):
+            # Intermediate checkpoints async, the last one sync (it first waits for the async one), as
+            # torchtune's recipes do with enable_async_checkpointing.
+            with fp_storage:
+                checkpointer.save_checkpoint(state(step), epoch=step, save_async=step < TUNE_STEPS)
+    return {"losses": losses, "params": local(dict(net.named_parameters())), "optimizer": local(optimizer.state_dict())}
+
+
+def test_torchtune_distributed_checkpointer_resumes_bit_exact_through_fp_dcp(tmp_path: Path) -> None:
+    need("torchtune", "torchtune==0.6.1 torchao==0.15.0")
+    full = run_ranks(WORLD, torchtune_rank, str(tmp_path), False, timeout=180)
+    assert {p.name: open_checkpoint(p).kind for p in tmp_path.iterdir()} == {
+        f"dist_epoch_{TUNE_SAVE_AT}": "fp",
+        f"dist_epoch_{TUNE_STEPS}": "fp",
+    }
+    resumed = run_ranks(WORLD, torchtune_rank, str(tmp_path), True, timeout=180)
+    for rank in range(WORLD):
+        assert len(full[rank]["losses"]) == TUNE_STEPS
+        assert resumed[rank]["losses"] == full[rank]["losses"][TUNE_SAVE_AT:]
+        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
+        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
