@@ -56,6 +56,15 @@ def assert_bit_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+def assert_resumed_as_uninterrupted(full: list[Any], resumed: list[Any], steps: int, saved_at: int) -> None:
+    """Per rank: the resumed run's losses are the uninterrupted run's after ``saved_at``; model and optimizer match."""
+    for rank in range(WORLD):
+        assert len(full[rank]["losses"]) == steps
+        assert resumed[rank]["losses"] == full[rank]["losses"][saved_at:]
+        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
+        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+
+
 def distributed_env(rank: int, world: int) -> None:
     """What a launcher (torchrun) would have set; the process group itself is already up (dist_util)."""
     os.environ.update(
@@ -142,11 +151,7 @@ def test_lightning_model_parallel_strategy_resumes_bit_exact_through_fp_dcp(tmp_
     ckpt = tmp_path / f"step{LIGHTNING_SAVE_AT}.ckpt"
     assert open_checkpoint(ckpt).kind == "fp"
     resumed = run_ranks(WORLD, lightning_rank, str(tmp_path), True, timeout=180)
-    for rank in range(WORLD):
-        assert len(full[rank]["losses"]) == LIGHTNING_STEPS
-        assert resumed[rank]["losses"] == full[rank]["losses"][LIGHTNING_SAVE_AT:]
-        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
-        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+    assert_resumed_as_uninterrupted(full, resumed, LIGHTNING_STEPS, LIGHTNING_SAVE_AT)
 
 
 # ---- accelerate: its FSDP checkpoint functions build torch's FileSystemWriter / FileSystemReader ----
@@ -210,11 +215,7 @@ def test_accelerate_fsdp_checkpoint_functions_resume_bit_exact_through_fp_dcp(tm
         "optimizer_0": "fp",
     }
     resumed = run_ranks(WORLD, accelerate_rank, str(tmp_path), True, timeout=180)
-    for rank in range(WORLD):
-        assert len(full[rank]["losses"]) == ACCELERATE_STEPS
-        assert resumed[rank]["losses"] == full[rank]["losses"][ACCELERATE_SAVE_AFTER:]
-        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
-        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+    assert_resumed_as_uninterrupted(full, resumed, ACCELERATE_STEPS, ACCELERATE_SAVE_AFTER)
 
 
 # ---- torchtitan: CheckpointManager saves (async here) and loads with checkpoint_id only ----
@@ -278,11 +279,7 @@ def test_torchtitan_checkpoint_manager_async_resumes_bit_exact_through_fp_dcp(tm
     full = run_ranks(WORLD, torchtitan_rank, str(tmp_path), False, timeout=180)
     assert open_checkpoint(tmp_path / "checkpoint" / f"step-{TITAN_SAVE_AT}").kind == "fp"
     resumed = run_ranks(WORLD, torchtitan_rank, str(tmp_path), True, timeout=180)
-    for rank in range(WORLD):
-        assert len(full[rank]["losses"]) == TITAN_STEPS
-        assert resumed[rank]["losses"] == full[rank]["losses"][TITAN_SAVE_AT:]
-        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
-        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+    assert_resumed_as_uninterrupted(full, resumed, TITAN_STEPS, TITAN_SAVE_AT)
 
 
 # ---- torchtune: DistributedCheckpointer builds torch's FileSystemWriter / FileSystemReader itself ----
@@ -365,8 +362,4 @@ def test_torchtune_distributed_checkpointer_resumes_bit_exact_through_fp_dcp(tmp
         f"dist_epoch_{TUNE_STEPS}": "fp",
     }
     resumed = run_ranks(WORLD, torchtune_rank, str(tmp_path), True, timeout=180)
-    for rank in range(WORLD):
-        assert len(full[rank]["losses"]) == TUNE_STEPS
-        assert resumed[rank]["losses"] == full[rank]["losses"][TUNE_SAVE_AT:]
-        assert_bit_equal(resumed[rank]["params"], full[rank]["params"], f"rank {rank} params")
-        assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
+    assert_resumed_as_uninterrupted(full, resumed, TUNE_STEPS, TUNE_SAVE_AT)

@@ -81,13 +81,18 @@ def list_steps(root: str | os.PathLike[str], *, verify: bool = False) -> list[St
     ``verify`` checks every item's checksum (reads all data) instead of the
     metadata and the data files' presence and sizes.
     """
+    return [_inspect(step, path, verify) for step, path in _step_directories(root)]
+
+
+def _step_directories(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """(N, path) of every ``step-N`` directory under ``root``, oldest first."""
     root = os.fspath(root)
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
         match = _STEP.fullmatch(name)
         if match and os.path.isdir(os.path.join(root, name)):
-            found.append(_inspect(int(match.group(1)), os.path.join(root, name), verify))
-    return sorted(found, key=lambda s: s.step)
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
 
 
 def _inspect(step: int, path: str, verify: bool) -> StepInfo:
@@ -284,21 +289,23 @@ class CheckpointManager:
         """Remove the steps retention lets go (coordinator only), after a newer one is published."""
         if not self.is_coordinator:
             return
-        published = [s for s in self.steps() if s.status != "incomplete"]
+        # Published or not is all retention needs: no metadata is read (a run may keep hundreds of steps).
+        steps = [
+            (step, path, os.path.exists(os.path.join(path, METADATA_NAME)))
+            for step, path in _step_directories(self.root)
+        ]
+        published = [step for step, _, done in steps if done]
         if not published:
             return
-        newest = published[-1].step
-        kept = {s.step for s in published[-self.keep_last :]}
-        doomed = [
-            s
-            for s in self.steps()
-            if s.step < newest
-            and s.step not in kept
-            and not (self.keep_every and s.step % self.keep_every == 0 and s.status != "incomplete")
-            and not (self.keep is not None and s.status != "incomplete" and self.keep(s.step))
-        ]
-        for info in doomed:
-            self._delete(info.path)
+        newest, kept = published[-1], set(published[-self.keep_last :])
+        for step, path, done in steps:
+            wanted = done and (
+                step in kept
+                or (self.keep_every is not None and step % self.keep_every == 0)
+                or (self.keep is not None and self.keep(step))
+            )
+            if step < newest and not wanted:
+                self._delete(path)
 
     def _delete(self, path: str) -> None:
         """Rename, make the rename durable, then remove: a step is gone at once, its bytes after."""
