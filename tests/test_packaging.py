@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -85,3 +86,36 @@ def test_installed_wheel_makes_fp_dcp_the_default_storage_only_when_asked(wheel,
         assert run.returncode == 0, run.stderr
         chosen[value] = run.stdout.strip()
     assert chosen == {"1": "FastPersistWriter", "0": "FileSystemWriter", None: "FileSystemWriter"}
+
+
+def test_a_wheel_built_from_the_sdist_is_complete(tmp_path):
+    # Users installing from PyPI's sdist build the wheel there: everything build_py copies must be in it.
+    sdist = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert sdist.returncode == 0, sdist.stderr
+    (archive,) = tmp_path.glob("fp_dcp-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (source,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("fp_dcp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fp_dcp_default_storage.pth" in names and "fp_dcp/gpu/kernels/gather.cu" in names
