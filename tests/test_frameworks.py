@@ -65,6 +65,22 @@ def assert_resumed_as_uninterrupted(full: list[Any], resumed: list[Any], steps: 
         assert_bit_equal(resumed[rank]["optimizer"], full[rank]["optimizer"], f"rank {rank} optimizer")
 
 
+def tiny_sharded_model(mesh: Any = None) -> torch.nn.Module:
+    """The same small MLP on every rank and run, sharded with FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def rank_batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's own (input, target) batches, the same in the uninterrupted and the resumed run."""
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps)]
+
+
 def distributed_env(rank: int, world: int) -> None:
     """What a launcher (torchrun) would have set; the process group itself is already up (dist_util)."""
     os.environ.update(
@@ -83,7 +99,6 @@ def lightning_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, 
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
     from torch.utils.data import DataLoader, TensorDataset
 
     import fp_dcp
@@ -97,9 +112,7 @@ def lightning_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, 
             self.losses: list[float] = []
 
         def configure_model(self) -> None:
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+            self.net = tiny_sharded_model(self.device_mesh["data_parallel"])
 
         def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
             x, y = batch
@@ -171,7 +184,6 @@ def accelerate_rank(rank: int, world: int, root: str, resume: bool) -> dict[str,
         save_fsdp_model,
         save_fsdp_optimizer,
     )
-    from torch.distributed.fsdp import fully_shard
 
     import fp_dcp
 
@@ -181,12 +193,9 @@ def accelerate_rank(rank: int, world: int, root: str, resume: bool) -> dict[str,
     # for FSDP.
     accelerator = Accelerator(cpu=True)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(net)
+    net = tiny_sharded_model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(ACCELERATE_STEPS)]
+    batches = rank_batches(rank, ACCELERATE_STEPS)
     losses = []
     with mock.patch.multiple(
         dist_cp, FileSystemWriter=fp_dcp.FastPersistWriter, FileSystemReader=fp_dcp.FastPersistReader
@@ -224,7 +233,6 @@ TITAN_STEPS, TITAN_SAVE_AT = 6, 3
 
 
 def torchtitan_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
@@ -233,9 +241,7 @@ def torchtitan_rank(rank: int, world: int, root: str, resume: bool) -> dict[str,
 
     distributed_env(rank, world)
     fp_dcp.install()
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(net)
+    net = tiny_sharded_model()
     adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
     optimizers = OptimizersContainer.Config(param_groups=[adamw]).build(model_parts=[net])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=TITAN_STEPS)
@@ -250,8 +256,7 @@ def torchtitan_rank(rank: int, world: int, root: str, resume: bool) -> dict[str,
         sd_adapter=None,
         base_folder=root,
     )
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(TITAN_STEPS)]
+    batches = rank_batches(rank, TITAN_STEPS)
     # The uninterrupted run also saves the last step, so the resume names the step it wants.
     if resume:
         assert checkpointer.load(step=TITAN_SAVE_AT)
@@ -291,19 +296,15 @@ def torchtune_rank(rank: int, world: int, root: str, resume: bool) -> dict[str, 
     from unittest import mock
 
     from torch.distributed.checkpoint.state_dict import _init_optim_state, set_state_dict
-    from torch.distributed.fsdp import fully_shard
     from torchtune import training
     from torchtune.training.checkpointing import DistributedCheckpointer
 
     import fp_dcp
 
     distributed_env(rank, world)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(net)
+    net = tiny_sharded_model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(TUNE_STEPS)]
+    batches = rank_batches(rank, TUNE_STEPS)
     # An async save runs DCP's collectives in a background thread while training runs FSDP's: on a
     # gloo-only job they need a group of their own (on GPUs torchtune's "cuda:nccl,cpu:gloo" separates them).
     group = torch.distributed.new_group(backend="gloo")

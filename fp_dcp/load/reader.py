@@ -124,9 +124,8 @@ class FastPersistReader(StorageReader):
         self._metadata_crc = checkpoint.metadata_crc
         metadata = checkpoint.metadata
         if checkpoint.kind == "dcp":
-            self._stock = FileSystemReader(
-                self.path, self._extension_registry
-            )  # reads through set_up_storage_reader's metadata: no re-read
+            # it reads through the metadata handed to set_up_storage_reader: no second read
+            self._stock = FileSystemReader(self.path, self._extension_registry)
         else:
             self._catalog = Catalog(checkpoint)
         if metadata.storage_meta is None:
