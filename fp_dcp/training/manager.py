@@ -275,9 +275,11 @@ class CheckpointManager:
         return list_steps(self.root, verify=verify)
 
     def _newest_intact(self, exclude: set[int]) -> int | None:
-        for info in reversed(self.steps(verify=self.verify)):
-            if info.step in exclude:
+        # Newest first, each step checked only when reached: with verify=True a check reads the whole step.
+        for step, path in reversed(_step_directories(self.root)):
+            if step in exclude:
                 continue
+            info = _inspect(step, path, self.verify)
             if info.status in ("complete", "verified"):
                 return info.step
             log.warning("fp-dcp: skipping step %d of %s (%s): %s", info.step, self.root, info.status, info.problem)
