@@ -7,7 +7,10 @@ One run root; each trial starts a child that restores from it (as a job
 resuming after a crash would), then saves step after step (asynchronously,
 ``keep_last=2``, so saves, retention's renames and removals, and the
 cleanup of earlier kills' leftovers all happen) until it is killed with
-SIGKILL at a random moment, uniform over ``--max-delay`` seconds. Then a
+SIGKILL at a random moment, uniform over ``--max-delay`` seconds. Half the
+state is frozen (the same at every step) and every other pair of trials
+saves incrementally, so references to earlier steps, retirements and their
+cleanup are killed too. Then a
 fresh process restores the root, with a deadline, and checks what it got:
 
 - ``ok``: a step whose tensors are bit-exact what was saved for it (each
@@ -33,38 +36,55 @@ import sys
 import tempfile
 import time
 
-CHILD = """
-import sys, torch
-from fp_dcp import CheckpointManager, IOConfig
-root, engine, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
-def state_at(step):
+STATE = """
+import torch
+def state_at(step, rows):
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(rows, 1024, generator=g), "step": torch.tensor(step)}
-mgr = CheckpointManager(root, keep_last=2, config=IOConfig(engine=engine))
-start = (mgr.restore({"w": torch.zeros(rows, 1024), "step": torch.tensor(0)}) or 0) + 1
-print("ready", flush=True)
-for step in range(start, start + 100000):
-    mgr.save(step, state_at(step))
+    frozen = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(rows // 2, 1024, generator=g),
+        "frozen": torch.randn(rows // 2, 1024, generator=frozen),
+        "step": torch.tensor(step),
+    }
 """
 
-CHECK = """
-import json, sys, torch
+CHILD = (
+    STATE
+    + """
+import sys
+from fp_dcp import CheckpointManager, IOConfig
+root, engine, rows, incremental = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+mgr = CheckpointManager(root, keep_last=2, incremental=incremental, config=IOConfig(engine=engine))
+start = (mgr.restore({k: torch.zeros_like(v) for k, v in state_at(0, rows).items()}) or 0) + 1
+print("ready", flush=True)
+for step in range(start, start + 100000):
+    mgr.save(step, state_at(step, rows))
+"""
+)
+
+CHECK = (
+    STATE
+    + """
+import json, sys
 from fp_dcp import CheckpointManager, IOConfig
 root, engine, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
-state = {"w": torch.zeros(rows, 1024), "step": torch.tensor(-1)}
+state = {k: torch.full_like(v, -1) for k, v in state_at(0, rows).items()}
 with CheckpointManager(root, config=IOConfig(engine=engine)) as mgr:
     step = mgr.restore(state)
 exact = None
 if step is not None:
-    g = torch.Generator().manual_seed(step)
-    exact = torch.equal(state["w"], torch.randn(rows, 1024, generator=g)) and int(state["step"]) == step
+    expected = state_at(step, rows)
+    exact = all(torch.equal(state[k], expected[k]) for k in expected)
 print(json.dumps({"step": step, "exact": exact}))
 """
+)
 
 
-def trial(root: str, engine: str, rows: int, delay: float, deadline: float) -> dict:
+def trial(root: str, engine: str, incremental: bool, rows: int, delay: float, deadline: float) -> dict:
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, root, engine, str(rows)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        [sys.executable, "-c", CHILD, root, engine, str(rows), str(int(incremental))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
     assert child.stdout is not None
     if child.stdout.readline() != b"ready\n":
@@ -101,7 +121,8 @@ def main() -> int:
         root = os.path.join(tmp, "run")
         for i in range(args.trials):
             engine = ("io_uring", "threads")[i % 2]
-            result = trial(root, engine, rows, rng.uniform(0.0, args.max_delay), args.deadline)
+            incremental = bool(i // 2 % 2)
+            result = trial(root, engine, incremental, rows, rng.uniform(0.0, args.max_delay), args.deadline)
             step = result.get("step")
             if "outcome" in result:
                 outcome = result["outcome"]
@@ -115,7 +136,8 @@ def main() -> int:
                 outcome, newest = "ok", step
             outcomes[outcome] += 1
             if outcome not in ("ok", "none"):
-                print(f"trial {i + 1} ({engine}): {outcome} {result}", flush=True)
+                kind = "incremental" if incremental else "full"
+                print(f"trial {i + 1} ({engine}, {kind}): {outcome} {result}", flush=True)
     print(f"{args.trials} kills, {args.mib} MiB state: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     print(f"newest step restored: {newest}")
     return 0 if set(outcomes) <= {"ok", "none"} else 1

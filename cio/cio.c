@@ -8,7 +8,10 @@
  *   never retries, splits or interprets results: completions carry the raw
  *   result (bytes or -errno) and the policy lives in Python.
  * - crc32c / copy_crc32c: CRC-32C (Castagnoli) with the SSE4.2 instruction
- *   (three interleaved streams) and a table fallback, GIL released.
+ *   (three interleaved streams) and a table fallback, GIL released; given a
+ *   Hash128, they feed it the same bytes in the same pass.
+ * - Hash128: a running XXH3-128 (libxxhash), the content hash incremental
+ *   saves compare items by. Absent when built without libxxhash.
  * - dio_alignment / fallocate / address: small system helpers.
  *
  * Every libc/liburing return code is checked; errors become OSError.
@@ -29,6 +32,13 @@
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
+#endif
+
+#ifdef FP_DCP_HAVE_XXHASH
+#include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h> /* libxxhash picks SSE2, AVX2 or AVX-512 at run time */
+#endif
 #endif
 
 /* Python's own buffers are released around copies and checksums this large. */
@@ -187,81 +197,222 @@ static int parse_crc(PyObject *obj, uint32_t *out)
     return 0;
 }
 
-PyDoc_STRVAR(crc32c_doc, "crc32c(data, crc=0, /) -> int\n\n"
+/* ------------------------------------------------------------------ XXH3-128 */
+
+#ifdef FP_DCP_HAVE_XXHASH
+
+typedef struct {
+    PyObject_HEAD XXH3_state_t *state;
+    int busy; /* set (under the GIL) while an update runs without it */
+} HashObject;
+
+static PyTypeObject HashType;
+
+static int hash_init(HashObject *h, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":Hash128", kwlist))
+        return -1;
+    if (!h->state && !(h->state = XXH3_createState())) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (XXH3_128bits_reset(h->state) != XXH_OK) {
+        PyErr_SetString(PyExc_RuntimeError, "XXH3_128bits_reset failed");
+        return -1;
+    }
+    h->busy = 0;
+    return 0;
+}
+
+static void hash_dealloc(HashObject *h)
+{
+    if (h->state)
+        XXH3_freeState(h->state);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+/* Claim h for an update that may run without the GIL; NULL (error set) if it is not a Hash128 or in use. */
+static HashObject *hash_claim(PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, &HashType)) {
+        PyErr_Format(PyExc_TypeError, "hasher must be a Hash128, not %s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    HashObject *h = (HashObject *)obj;
+    if (!h->state || h->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Hash128 is uninitialized or in use by another thread");
+        return NULL;
+    }
+    h->busy = 1;
+    return h;
+}
+
+static int hash_feed(HashObject *h, const void *p, size_t n)
+{
+    return XXH3_128bits_update(h->state, p, n) == XXH_OK ? 0 : -1;
+}
+
+#else
+typedef struct HashObject HashObject;
+static HashObject *hash_claim(PyObject *obj)
+{
+    (void)obj;
+    PyErr_SetString(PyExc_NotImplementedError,
+                    "fp_dcp._cio was built without libxxhash: no content hashing");
+    return NULL;
+}
+static int hash_feed(HashObject *h, const void *p, size_t n)
+{
+    (void)h, (void)p, (void)n;
+    return -1;
+}
+#endif
+
+/* Checksum (and, with dst, copy) in cache-sized steps, hashing each step while it is still cached. */
+#define COPY_STEP (256 * 1024)
+
+static int copy_crc_hash(uint8_t *dst, const uint8_t *src, size_t n, uint32_t *crc, HashObject *h)
+{
+    uint32_t c = ~*crc;
+    for (size_t off = 0; off < n; off += COPY_STEP) {
+        size_t m = n - off < COPY_STEP ? n - off : COPY_STEP;
+        const uint8_t *block = src + off;
+        if (dst) {
+            memcpy(dst + off, block, m);
+            block = dst + off;
+        }
+        c = crc_raw(c, block, m);
+        if (h && hash_feed(h, block, m) < 0)
+            return -1;
+    }
+    *crc = ~c;
+    return 0;
+}
+
+/* Run copy_crc_hash on Python buffers: GIL released for large ones, the hasher claimed meanwhile. */
+static PyObject *checksum_buffers(Py_buffer *dst, Py_buffer *src, PyObject *crc_obj, PyObject *hasher)
+{
+    uint32_t crc = 0;
+    HashObject *h = NULL;
+    int rc;
+    if (crc_obj && parse_crc(crc_obj, &crc) < 0)
+        return NULL;
+    if (hasher && hasher != Py_None && !(h = hash_claim(hasher)))
+        return NULL;
+    uint8_t *out = dst ? dst->buf : NULL;
+    if (src->len >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS rc = copy_crc_hash(out, src->buf, (size_t)src->len, &crc, h);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = copy_crc_hash(out, src->buf, (size_t)src->len, &crc, h);
+    }
+#ifdef FP_DCP_HAVE_XXHASH
+    if (h)
+        h->busy = 0;
+#endif
+    if (rc < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "XXH3_128bits_update failed");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(crc);
+}
+
+PyDoc_STRVAR(crc32c_doc, "crc32c(data, crc=0, hasher=None, /) -> int\n\n"
                          "CRC-32C of a bytes-like object; pass the previous result as crc to "
-                         "continue a running checksum.");
+                         "continue a running checksum. A Hash128 given as hasher is fed the "
+                         "same bytes in the same pass.");
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args)
 {
     Py_buffer data;
-    PyObject *crc_obj = NULL;
-    uint32_t crc = 0;
+    PyObject *crc_obj = NULL, *hasher = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*|O:crc32c", &data, &crc_obj))
+    if (!PyArg_ParseTuple(args, "y*|OO:crc32c", &data, &crc_obj, &hasher))
         return NULL;
-    if (crc_obj && parse_crc(crc_obj, &crc) < 0) {
-        PyBuffer_Release(&data);
-        return NULL;
-    }
-    const uint8_t *p = data.buf;
-    size_t n = (size_t)data.len;
-    if (n >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS crc = ~crc_raw(~crc, p, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        crc = ~crc_raw(~crc, p, n);
-    }
+    PyObject *result = checksum_buffers(NULL, &data, crc_obj, hasher);
     PyBuffer_Release(&data);
-    return PyLong_FromUnsignedLong(crc);
-}
-
-/* Copy in cache-sized steps and checksum each step while it is still cached. */
-#define COPY_STEP (256 * 1024)
-
-static uint32_t copy_and_crc(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc)
-{
-    crc = ~crc;
-    for (size_t off = 0; off < n; off += COPY_STEP) {
-        size_t m = n - off < COPY_STEP ? n - off : COPY_STEP;
-        memcpy(dst + off, src + off, m);
-        crc = crc_raw(crc, dst + off, m);
-    }
-    return ~crc;
+    return result;
 }
 
 PyDoc_STRVAR(copy_crc32c_doc,
-             "copy_crc32c(dst, src, crc=0, /) -> int\n\n"
+             "copy_crc32c(dst, src, crc=0, hasher=None, /) -> int\n\n"
              "Copy src into dst (same length) and return the CRC-32C of the copied bytes, "
-             "continuing from crc. One pass over memory instead of two.");
+             "continuing from crc; a Hash128 given as hasher is fed them too. One pass over "
+             "memory instead of two or three.");
 
 static PyObject *py_copy_crc32c(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
-    PyObject *crc_obj = NULL;
-    uint32_t crc = 0;
+    PyObject *crc_obj = NULL, *hasher = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*|O:copy_crc32c", &dst, &src, &crc_obj))
+    if (!PyArg_ParseTuple(args, "w*y*|OO:copy_crc32c", &dst, &src, &crc_obj, &hasher))
         return NULL;
     PyObject *result = NULL;
-    if (crc_obj && parse_crc(crc_obj, &crc) < 0)
-        goto done;
-    if (dst.len != src.len) {
+    if (dst.len != src.len)
         PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src has %zd", dst.len,
                      src.len);
-        goto done;
-    }
-    if (src.len >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS crc = copy_and_crc(dst.buf, src.buf, (size_t)src.len, crc);
-        Py_END_ALLOW_THREADS
-    } else {
-        crc = copy_and_crc(dst.buf, src.buf, (size_t)src.len, crc);
-    }
-    result = PyLong_FromUnsignedLong(crc);
-done:
+    else
+        result = checksum_buffers(&dst, &src, crc_obj, hasher);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
 }
+
+#ifdef FP_DCP_HAVE_XXHASH
+
+PyDoc_STRVAR(hash_update_doc, "update(data, /) -> None\n\nFeed bytes (the GIL is released for large ones).");
+
+static PyObject *hash_update(HashObject *self, PyObject *arg)
+{
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *r = checksum_buffers(NULL, &data, NULL, (PyObject *)self); /* the CRC is discarded */
+    PyBuffer_Release(&data);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(hash_hexdigest_doc,
+             "hexdigest() -> str\n\nThe XXH3-128 of the bytes fed so far: 32 lowercase hex digits, "
+             "xxHash's canonical (big-endian) form, as `xxhsum -H2` prints it.");
+
+static PyObject *hash_hexdigest(HashObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->state || self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Hash128 is uninitialized or in use by another thread");
+        return NULL;
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(self->state));
+    char hex[33];
+    for (int i = 0; i < 16; i++)
+        snprintf(hex + 2 * i, 3, "%02x", canon.digest[i]);
+    return PyUnicode_FromStringAndSize(hex, 32);
+}
+
+static PyMethodDef hash_methods[] = {
+    {"update", (PyCFunction)hash_update, METH_O, hash_update_doc},
+    {"hexdigest", (PyCFunction)hash_hexdigest, METH_NOARGS, hash_hexdigest_doc},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject HashType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._cio.Hash128",
+    .tp_doc = "Hash128()\n\nA running XXH3-128 (seed 0). Feed it with update() or as the hasher of "
+              "crc32c / copy_crc32c; one thread at a time.",
+    .tp_basicsize = sizeof(HashObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hash_init,
+    .tp_dealloc = (destructor)hash_dealloc,
+    .tp_methods = hash_methods,
+};
+
+#endif /* FP_DCP_HAVE_XXHASH */
 
 /* ----------------------------------------------------------- system helpers */
 
@@ -767,6 +918,10 @@ PyMODINIT_FUNC PyInit__cio(void)
 #endif
     if (PyModule_AddObjectRef(m, "CRC32C_HARDWARE", crc_hardware ? Py_True : Py_False) < 0)
         goto fail;
+#ifdef FP_DCP_HAVE_XXHASH
+    if (PyType_Ready(&HashType) < 0 || PyModule_AddObjectRef(m, "Hash128", (PyObject *)&HashType) < 0)
+        goto fail;
+#endif
     return m;
 fail:
     Py_DECREF(m);

@@ -23,6 +23,11 @@ are tried in this order:
 
 The first that holds the file wins; if none does, the path of rule 2 is
 given, and reading it reports the missing file with the items it holds.
+
+A file an incremental save referenced (its footer entry has an ``owner``)
+is looked for by the same rules, with the owner's directory (the entry's
+``owner``, relative to this checkpoint's directory) in place of this one and
+the entry's own ``data_subdir``.
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from . import _cio
 from .compat import is_item_location, item_fields
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
-from .format import METADATA_NAME, ItemLocation, decode_metadata, is_fp_metadata
+from .format import METADATA_NAME, ItemLocation, decode_footer, decode_metadata, footer_span, is_fp_metadata
 
-__all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files"]
+__all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files", "referenced_files"]
 
 Kind = Literal["fp", "dcp"]
 
@@ -57,6 +62,9 @@ class Checkpoint:
         files: data file name -> its path now, for every file the checkpoint references.
         file_sizes: data file name -> its size as written (fp-dcp only; empty for ``"dcp"``).
         metadata_crc: CRC-32C of the ``.metadata`` bytes read (a later save changes it).
+        owners: data file name -> the directory of the checkpoint that wrote it, for each
+            file an incremental save referenced in an earlier checkpoint (empty otherwise;
+            the directory is ``path`` itself for a save over its own base).
     """
 
     path: str
@@ -66,6 +74,16 @@ class Checkpoint:
     files: dict[str, str]
     file_sizes: dict[str, int]
     metadata_crc: int
+    owners: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def own_files(self) -> dict[str, str]:
+        """``files`` less those of other checkpoints: what removing this checkpoint may delete."""
+        here = os.path.normpath(self.path)
+        return {name: path for name, path in self.files.items() if self.owners.get(name, here) == here}
+
+    def referenced_checkpoints(self) -> set[str]:
+        """The directories of the other checkpoints whose files this one uses."""
+        return set(self.owners.values()) - {os.path.normpath(self.path)}
 
 
 def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
@@ -126,23 +144,60 @@ def open_checkpoint(
         metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
-    files = _locate(directory, metadata, footer, data_dirs)
+    owners = _owners(directory, footer)
+    files = _locate(directory, metadata, footer, data_dirs, owners)
     sizes = {name: entry["size"] for name, entry in footer["files"].items()}
-    return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc)
+    return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc, owners)
+
+
+def _owners(directory: str, footer: dict[str, Any]) -> dict[str, str]:
+    """File name -> directory of the checkpoint that wrote it, for the files owned by another one."""
+    entries = footer["files"].items()
+    return {
+        name: os.path.normpath(os.path.join(directory, entry["owner"])) for name, entry in entries if "owner" in entry
+    }
+
+
+def referenced_files(directory: str) -> dict[str, str]:
+    """``Checkpoint.owners`` of the checkpoint in ``directory``, read from the end of its ``.metadata`` only.
+
+    Cheap whatever the checkpoint's size (the pickle is neither read nor
+    checked). {} for a torch ``FileSystemWriter`` checkpoint, which has no
+    references. Raises NotACheckpointError without ``.metadata``, and
+    CorruptCheckpointError when the footer fails its checks.
+    """
+    where = os.path.join(directory, METADATA_NAME)
+    try:
+        with open(where, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 16))
+            trailer = f.read()
+            if not is_fp_metadata(trailer):
+                return {}  # a stock checkpoint (or damage, which opening it reports)
+            f.seek(max(0, size - footer_span(trailer)))
+            tail = f.read()
+    except FileNotFoundError:
+        raise NotACheckpointError(f"{directory} holds no checkpoint: {METADATA_NAME} is missing") from None
+    return _owners(directory, decode_footer(tail, where))
 
 
 def _locate(
-    directory: str, metadata: Metadata, footer: dict[str, Any], data_dirs: Sequence[str | os.PathLike[str]] | None
+    directory: str,
+    metadata: Metadata,
+    footer: dict[str, Any],
+    data_dirs: Sequence[str | os.PathLike[str]] | None,
+    owners: dict[str, str],
 ) -> dict[str, str]:
     given = [os.fspath(d) for d in data_dirs] if data_dirs else []
     recorded: list[str] = footer.get("data_dirs") or []
-    subdir = footer.get("data_subdir") or ""
     saved_at = os.fspath(metadata.storage_meta.checkpoint_id or "") if metadata.storage_meta is not None else ""
     paths = {}
     for name, entry in footer["files"].items():
         index = entry["dir"]
+        home = owners.get(name, directory)  # the directory of the checkpoint that wrote the file
+        subdir = (entry.get("data_subdir") if name in owners else footer.get("data_subdir")) or ""
         if index is None:
-            paths[name] = os.path.join(directory, name)
+            paths[name] = os.path.join(home, name)
         elif given:
             paths[name] = _given(directory, given, index, subdir, name, recorded)
         else:
@@ -152,8 +207,8 @@ def _locate(
                 candidates.append(os.path.join(os.path.normpath(moved), subdir, name))
             candidates += [
                 os.path.join(recorded[index], subdir, name),
-                os.path.join(directory, name),
-                os.path.join(directory, subdir, name),
+                os.path.join(home, name),
+                os.path.join(home, subdir, name),
             ]
             paths[name] = next((c for c in candidates if os.path.exists(c)), candidates[0])
     return paths

@@ -98,10 +98,15 @@ STOCK_READER_HINT = (
 )
 
 
-def item_location(file: str, offset: int, length: int, crc32c: int) -> Any:
-    """A ``storage_data`` value of ``.metadata`` (format version 2)."""
+def item_location(
+    file: str, offset: int, length: int, crc32c: int, xxh3_128: str | None = None, xxh3_sample: str | None = None
+) -> Any:
+    """A ``storage_data`` value of ``.metadata`` (format version 2 and later)."""
     info = _StorageInfo(file, offset, length, [f"{STOCK_READER_HINT}/1"])
     info.crc32c = crc32c  # type: ignore[attr-defined]
+    for name, value in (("xxh3_128", xxh3_128), ("xxh3_sample", xxh3_sample)):
+        if value is not None:
+            setattr(info, name, value)
     return info
 
 
@@ -110,12 +115,17 @@ def is_item_location(value: Any) -> bool:
     return "crc32c" in getattr(value, "__dict__", {})
 
 
-def item_fields(value: Any) -> tuple[str, int, int, int]:
-    """(file, offset, length, crc32c) of a ``storage_data`` value, either format version."""
+def item_fields(value: Any) -> tuple[str, int, int, int, str | None, str | None]:
+    """(file, offset, length, crc32c, xxh3_128, xxh3_sample) of a ``storage_data`` value, any format version.
+
+    The hashes are None where the save stored none.
+    """
     if isinstance(value, tuple):  # format version 1: a plain tuple
         file, offset, length, crc32c = value
-        return file, offset, length, crc32c
-    return value.relative_path, value.offset, value.length, value.__dict__["crc32c"]
+        return file, offset, length, crc32c, None, None
+    fields = value.__dict__
+    hashes = fields.get("xxh3_128"), fields.get("xxh3_sample")
+    return value.relative_path, value.offset, value.length, fields["crc32c"], *hashes
 
 
 def stock_plan_data(rank: int) -> Any:

@@ -64,7 +64,8 @@ class IOConfig:
             device busy with few requests (measured: 32 MiB x depth 8 beat
             8 MiB x depth 16 on NVMe-like virtual disks).
         queue_depth: most requests in flight at once (io_uring engine).
-        io_threads: worker threads of the ``threads`` engine.
+        io_threads: worker threads of the ``threads`` engine; also the most threads that hash
+            items in parallel in incremental saves (at most one per CPU).
         direct_min: smallest run of an item that is written or read straight
             from tensor memory instead of through a staging buffer.
         staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied

@@ -8,10 +8,15 @@ A checkpoint is a directory with
   checkpoint it replaces;
 - ``.metadata``: a pickled ``torch.distributed.checkpoint.Metadata`` whose
   ``storage_data`` maps each ``MetadataIndex`` to where the item is
-  (``fp_dcp.compat.item_fields``: file, offset, length, crc32c), followed by a JSON footer (format
-  version, data file sizes, checksum of the pickle) and a 16-byte trailer.
+  (``fp_dcp.compat.item_fields``: file, offset, length, crc32c, and the
+  XXH3-128 of incremental saves), followed by a JSON footer (format version,
+  data file sizes, checksum of the pickle) and a 16-byte trailer.
   ``pickle.load`` stops at the end of the pickle, so DCP tools that unpickle
   ``.metadata`` still work.
+
+An incremental save's footer may list data files of an earlier checkpoint
+(an ``owner`` in their entry): its unchanged items are referenced there
+instead of written again (format version 3).
 
 A directory without ``.metadata`` is not a checkpoint, whatever else it holds.
 """
@@ -48,7 +53,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "fp-dcp"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+REFERENCES_VERSION = 3  # the first version with file entries owned by another checkpoint
 METADATA_NAME = ".metadata"
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
@@ -59,12 +65,19 @@ _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.([0-9a-f]{8,32})\.distcp$")
 
 
 class ItemLocation(NamedTuple):
-    """Where one item's bytes are: ``file``, byte ``offset`` and ``length``, their CRC-32C."""
+    """Where one item's bytes are: ``file``, byte ``offset`` and ``length``, their CRC-32C, and hashes.
+
+    Incremental saves store ``xxh3_128``, the XXH3-128 of the bytes, and for
+    tensors over 64 KiB ``xxh3_sample``, that of a sample of them
+    (``fp_dcp.save.incremental``), each as 32 hex digits; else they are None.
+    """
 
     file: str
     offset: int
     length: int
     crc32c: int
+    xxh3_128: str | None = None
+    xxh3_sample: str | None = None
 
 
 def data_file_name(rank: int, index: int, token: str) -> str:
@@ -135,10 +148,12 @@ def layout(items: list[tuple[int, int | None]], large: int) -> tuple[list[int], 
 def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra: dict[str, Any]) -> bytes:
     """Bytes of ``.metadata``: pickle, JSON footer, trailer."""
     body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    # Without references the checkpoint is exactly version 2, which older fp-dcp releases read.
+    version = REFERENCES_VERSION if any("owner" in entry for entry in files.values()) else 2
     footer = json.dumps(
         {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "pickle_length": len(body),
             "pickle_crc32c": _cio.crc32c(body),
             "files": files,
@@ -150,16 +165,19 @@ def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra:
     return body + footer + _TRAILER.pack(len(footer), _cio.crc32c(footer), TRAILER_MAGIC)
 
 
-def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
-    """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
-    if not is_fp_metadata(data):
+def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
+    """The footer, from the last bytes of ``.metadata`` (at least footer and trailer; all of it will do).
+
+    Checks the trailer, the footer's checksum, format name, version and byte order.
+    """
+    if not is_fp_metadata(tail):
         raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
-    footer_len, footer_crc, _ = _TRAILER.unpack_from(data, len(data) - _TRAILER.size)
-    footer_end = len(data) - _TRAILER.size
-    footer_bytes = data[footer_end - footer_len : footer_end] if footer_len <= footer_end else b""
+    footer_len, footer_crc, _ = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)
+    footer_end = len(tail) - _TRAILER.size
+    footer_bytes = tail[footer_end - footer_len : footer_end] if footer_len <= footer_end else b""
     if len(footer_bytes) != footer_len or _cio.crc32c(footer_bytes) != footer_crc:
         raise CorruptCheckpointError(f"{where}: metadata footer fails its checksum")
-    footer = json.loads(footer_bytes)
+    footer: dict[str, Any] = json.loads(footer_bytes)
     if footer.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: footer names format {footer.get('format')!r}")
     version = footer.get("format_version")
@@ -172,8 +190,21 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
         raise IncompatibleCheckpointError(
             f"{where} holds {footer['byteorder']}-endian data; this host is {sys.byteorder}-endian"
         )
+    return footer
+
+
+def footer_span(trailer: bytes) -> int:
+    """How many bytes at the end of ``.metadata`` hold the footer and the trailer, from its last 16 bytes."""
+    footer_len, _, _ = _TRAILER.unpack(trailer[-_TRAILER.size :])
+    return int(footer_len) + _TRAILER.size
+
+
+def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
+    """Parse ``.metadata`` bytes read from ``where``; returns (Metadata, footer)."""
+    footer = decode_footer(data, where)
+    footer_start = len(data) - footer_span(data)
     body = data[: footer["pickle_length"]]
-    if footer["pickle_length"] != footer_end - footer_len or _cio.crc32c(body) != footer["pickle_crc32c"]:
+    if footer["pickle_length"] != footer_start or _cio.crc32c(body) != footer["pickle_crc32c"]:
         raise CorruptCheckpointError(f"{where}: metadata pickle fails its checksum")
     metadata = pickle.loads(body)
     if not isinstance(metadata, Metadata):

@@ -78,6 +78,8 @@ class ByteSource:
     def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int) -> None:
         self.memory: memoryview | None
         self.device_tensor: torch.Tensor | None = None
+        self._tensor: torch.Tensor | None = None  # when not in place: read again by checksum()
+        self._slab_bytes = slab_bytes
         self._slabs: Iterator[torch.Tensor] | None = None
         self._slab = memoryview(b"")
         self._slab_start = 0
@@ -90,7 +92,8 @@ class ByteSource:
                 self.memory = byte_view(data)
             else:
                 self.memory = None
-                self._slabs = _slabs(data.detach(), slab_bytes)
+                self._tensor = data.detach()
+                self._slabs = _slabs(self._tensor, slab_bytes)
                 if data.device.type == "cuda":
                     self.device_tensor = data.detach()
 
@@ -102,22 +105,50 @@ class ByteSource:
         while offset >= self._slab_start + len(self._slab):
             assert self._slabs is not None
             self._slab_start += len(self._slab)
-            slab = next(self._slabs).resolve_conj().resolve_neg()
-            slab = slab.contiguous() if slab.device.type == "cpu" else slab.to("cpu")
-            self._slab = byte_view(slab)
+            self._slab = _host_bytes(next(self._slabs))
         return self._slab, offset - self._slab_start
 
-    def copy_into(self, dst: memoryview, offset: int, crc: int) -> int:
-        """Copy the bytes at ``offset`` into ``dst`` (filling it); return the running CRC-32C."""
+    def copy_into(self, dst: memoryview, offset: int, crc: int, hasher: _cio.Hash128 | None = None) -> int:
+        """Copy the bytes at ``offset`` into ``dst`` (filling it); return the running CRC-32C.
+
+        ``hasher`` is fed the same bytes, in the same pass.
+        """
         if self.memory is not None:
-            return _cio.copy_crc32c(dst, self.memory[offset : offset + len(dst)], crc)
+            return _cio.copy_crc32c(dst, self.memory[offset : offset + len(dst)], crc, hasher)
         done = 0
         while done < len(dst):
             slab, start = self._slab_at(offset + done)
             n = min(len(dst) - done, len(slab) - start)
-            crc = _cio.copy_crc32c(dst[done : done + n], slab[start : start + n], crc)
+            crc = _cio.copy_crc32c(dst[done : done + n], slab[start : start + n], crc, hasher)
             done += n
         return crc
+
+    def windows(self, offsets: list[int], width: int) -> bytes | None:
+        """The bytes at ``offsets``, ``width`` from each, back to back; None unless cheap (in place, or contiguous
+        on a device: one small gather and copy)."""
+        if self.memory is not None:
+            return b"".join(self.memory[o : o + width] for o in offsets)
+        tensor = self.device_tensor
+        if tensor is None or not plain_layout(tensor):
+            return None
+        flat = tensor.reshape(-1).view(torch.uint8)
+        return bytes(byte_view(torch.cat([flat[o : o + width] for o in offsets]).cpu()))
+
+    def checksum(self, hasher: _cio.Hash128 | None = None) -> int:
+        """The CRC-32C of all the bytes, read independently of ``copy_into``; ``hasher`` is fed them too."""
+        if self.memory is not None:
+            return _cio.crc32c(self.memory, 0, hasher)
+        assert self._tensor is not None
+        crc = 0
+        for slab in _slabs(self._tensor, self._slab_bytes):
+            crc = _cio.crc32c(_host_bytes(slab), crc, hasher)
+        return crc
+
+
+def _host_bytes(slab: torch.Tensor) -> memoryview:
+    """The C-order bytes of a slab, on the host."""
+    slab = slab.resolve_conj().resolve_neg()
+    return byte_view(slab.contiguous() if slab.device.type == "cpu" else slab.to("cpu"))
 
 
 class ByteSink:

@@ -36,8 +36,10 @@ def test_item_locations_keep_their_checksum_through_a_pickle_and_refuse_stock_re
     from torch.distributed.checkpoint._extension import ExtensionRegistry
 
     location = pickle.loads(pickle.dumps(compat.item_location("__0_0.x.distcp", 4096, 10, 0xDEADBEEF)))
-    assert compat.item_fields(location) == ("__0_0.x.distcp", 4096, 10, 0xDEADBEEF)
-    assert compat.item_fields(("f", 1, 2, 3)) == ("f", 1, 2, 3)  # format version 1
+    assert compat.item_fields(location) == ("__0_0.x.distcp", 4096, 10, 0xDEADBEEF, None, None)
+    assert compat.item_fields(("f", 1, 2, 3)) == ("f", 1, 2, 3, None, None)  # format version 1
+    hashed = pickle.loads(pickle.dumps(compat.item_location("f", 0, 1, 2, "a" * 32, "b" * 32)))
+    assert compat.item_fields(hashed) == ("f", 0, 1, 2, "a" * 32, "b" * 32)  # incremental saves' hashes
     with pytest.raises(ValueError, match="fp-dcp raw tensor bytes"):
         ExtensionRegistry().from_descriptor_list(location.transform_descriptors)
 

@@ -52,7 +52,7 @@ def test_flipped_bytes_are_detected_and_named(ckpt):
     (f,) = data_files(ckpt)
     original = f.read_bytes()
     storage = FastPersistReader(ckpt).read_metadata().storage_data
-    spans = [(offset, offset + length, index.fqn) for index, (_, offset, length, _) in storage.items()]
+    spans = [(offset, offset + length, index.fqn) for index, (_, offset, length, *_) in storage.items()]
     rng = random.Random(0)
     for _ in range(12):
         start, stop, fqn = rng.choice(spans)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_util import run_ranks
 
-from fp_dcp import CheckpointManager, list_steps
+from fp_dcp import CheckpointManager, FastPersistReader, list_steps
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.format import METADATA_NAME
 
@@ -84,9 +85,9 @@ def flip(path, offset_from_end: int | None = None, offset: int = 0) -> None:
     path.write_bytes(bytes(data))
 
 
-def newest_data_file(root):
-    checkpoint = open_checkpoint(root / "step-3")
-    return next(iter(checkpoint.files.values()))
+def newest_data_file(root, step: int = 3):
+    checkpoint = open_checkpoint(root / f"step-{step}")
+    return next(iter(checkpoint.own_files().values()))
 
 
 DAMAGE = {
@@ -177,3 +178,165 @@ def test_kills_at_random_points_always_leave_a_restorable_complete_step(tmp_path
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"8 kills, 4 MiB state: .*ok [1-8]", run.stdout), run.stdout
+
+
+# ------------------------------------------------------------------ incremental runs
+
+
+def tuned_at(step: int, frozen_until: int = 10**9) -> dict[str, torch.Tensor]:
+    """Fine-tuning: "base" stays as it was (until ``frozen_until``: then it changes once), "head" changes each step."""
+    g = torch.Generator().manual_seed(step)
+    base = torch.Generator().manual_seed(0 if step < frozen_until else frozen_until)
+    return {
+        "base": torch.randn(256, 256, generator=base),
+        "head": torch.randn(8, 8, generator=g),
+        "step": torch.tensor(step),
+    }
+
+
+def tuned_empty() -> dict[str, torch.Tensor]:
+    return {"base": torch.zeros(256, 256), "head": torch.zeros(8, 8), "step": torch.tensor(-1)}
+
+
+def assert_tuned(state: dict[str, torch.Tensor], step: int, **kwargs) -> None:
+    expected = tuned_at(step, **kwargs)
+    assert all(torch.equal(state[k], expected[k]) for k in expected), step
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "streaming"])
+def test_incremental_runs_retire_steps_whose_files_newer_steps_use(tmp_path, mode):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, incremental=True, mode=mode) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, tuned_at(step))
+        mgr.wait()
+        assert mgr.writer.last_save.referenced == 256 * 256 * 4
+    infos = {s.step: s for s in list_steps(root)}
+    assert [(s, i.status) for s, i in infos.items()] == [(1, "retired"), (4, "complete"), (5, "complete")]
+    assert infos[5].references == ("step-1",) and infos[5].written < infos[5].bytes / 10
+    # step-1 keeps only the file with "base" in it; steps 2 and 3 are gone whole
+    used = next(iter(open_checkpoint(root / "step-5").owners))
+    assert sorted(os.listdir(root / "step-1")) == [".lock", ".retired", used]
+    state = tuned_empty()
+    with CheckpointManager(root, incremental=True) as mgr:
+        assert mgr.restore(state) == 5
+        assert_tuned(state, 5)
+        mgr.save(6, tuned_at(6))  # against the restored step
+        mgr.wait()
+        assert mgr.writer.last_save.referenced == 256 * 256 * 4
+    # the frozen weights change at step 7: step-1's file is no longer used once steps 5 and 6 go
+    with CheckpointManager(root, keep_last=1, incremental=True) as mgr:
+        mgr.restore(tuned_empty())
+        for step in (7, 8):
+            mgr.save(step, tuned_at(step, frozen_until=7))
+    assert [(s.step, s.status, s.references) for s in list_steps(root)] == [
+        (7, "retired", ()),
+        (8, "complete", ("step-7",)),
+    ]
+    state = tuned_empty()
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 8
+    assert_tuned(state, 8, frozen_until=7)
+
+
+def test_a_stock_dcp_load_reads_an_incremental_step_through_the_fp_dcp_reader(tmp_path):
+    root = tmp_path / "run"
+    with CheckpointManager(root, incremental=True, asynchronous=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tuned_at(step))
+    state = tuned_empty()
+    dcp.load(state, storage_reader=FastPersistReader(root / "step-2"))
+    assert_tuned(state, 2)
+
+
+def referenced_file(root, step: int) -> str:
+    checkpoint = open_checkpoint(root / f"step-{step}")
+    return next(path for name, path in checkpoint.files.items() if name in checkpoint.owners)
+
+
+def _flip_base_in(root, step: int) -> None:
+    location = next(
+        loc
+        for index, loc in open_checkpoint(root / f"step-{step}").metadata.storage_data.items()
+        if index.fqn == "base"
+    )
+    flip(root / "step-2" / location.file, offset=location.offset + 5)
+
+
+INCREMENTAL_DAMAGE = {
+    "newest incomplete": lambda root: (root / "step-4" / METADATA_NAME).unlink(),
+    "newest metadata byte": lambda root: flip(root / "step-4" / METADATA_NAME, offset=30),
+    "newest data byte": lambda root: flip(type(root)(newest_data_file(root, 4)), offset=newest_data_offset(root, 4)),
+    "referenced file missing": lambda root: os.unlink(referenced_file(root, 4)),
+    "referenced byte": lambda root: _flip_base_in(root, 4),
+}
+
+
+def newest_data_offset(root, step: int) -> int:
+    checkpoint = open_checkpoint(root / f"step-{step}")
+    location = next(loc for index, loc in checkpoint.metadata.storage_data.items() if index.fqn == "head")
+    return location.offset + 3
+
+
+@pytest.mark.parametrize("damage", list(INCREMENTAL_DAMAGE))
+def test_restore_picks_the_newest_intact_step_of_an_incremental_run(tmp_path, caplog, damage):
+    # "base" changes at step 2: steps 3 and 4 reference step-2's file, step 1 stands alone
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=5, incremental=True) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, tuned_at(step, frozen_until=2))
+    assert [s.references for s in list_steps(root)] == [(), (), ("step-2",), ("step-2",)]
+    INCREMENTAL_DAMAGE[damage](root)
+    expected = 3 if damage.startswith("newest") else 1  # a damaged referenced file spoils steps 2, 3 and 4
+    state = tuned_empty()
+    with CheckpointManager(root, verify=damage.endswith("byte")) as mgr:
+        assert mgr.restore(state) == expected, caplog.text
+    assert_tuned(state, expected, frozen_until=2)
+
+
+def test_a_retirement_cut_short_is_never_restored_and_is_finished(tmp_path):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=5, incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tuned_at(step))
+    (root / "step-2" / ".retired").write_text('{"files": []}')  # killed between the marker and removing .metadata
+    assert [s.status for s in list_steps(root)] == ["complete", "retired"]
+    state = tuned_empty()
+    with CheckpointManager(root) as mgr:
+        assert not (root / "step-2" / METADATA_NAME).exists()  # finished on opening
+        assert mgr.restore(state) == 1
+    assert_tuned(state, 1)
+
+
+def _ranks_incremental_run(rank: int, world: int, root: str) -> list[int]:
+    referenced = []
+    with CheckpointManager(root, keep_last=1, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            state = tuned_at(step)
+            state[f"own{rank}"] = torch.full((20_000,), float(rank))  # each rank's own, unchanged
+            mgr.save(step, state)
+            mgr.wait()
+            referenced.append(mgr.writer.last_save.referenced)
+    return referenced
+
+
+def _ranks_restore_tuned(rank: int, world: int, root: str) -> tuple[int | None, bool]:
+    state = tuned_empty()
+    state[f"own{rank}"] = torch.zeros(20_000)
+    with CheckpointManager(root) as mgr:
+        step = mgr.restore(state)
+    return step, torch.equal(state[f"own{rank}"], torch.full((20_000,), float(rank)))
+
+
+def test_two_ranks_reference_their_own_unchanged_items_and_restore_in_fresh_processes(tmp_path):
+    root = str(tmp_path / "run")
+    referenced = run_ranks(2, _ranks_incremental_run, root)
+    # each rank references its own "own" tensor; "base", replicated, is saved (and referenced) by one rank
+    assert all(r[0] == 0 and r[1] == r[2] >= 80_000 for r in referenced)
+    assert sum(r[1] for r in referenced) == 2 * 80_000 + 256 * 256 * 4
+    assert [(s.step, s.status) for s in list_steps(root)] == [(1, "retired"), (3, "complete")]
+    assert run_ranks(2, _ranks_restore_tuned, root) == [(3, True), (3, True)]
+    state = tuned_empty()
+    with CheckpointManager(root) as mgr:  # one process restores what two saved
+        assert mgr.restore(state) == 3
+    assert_tuned(state, 3)

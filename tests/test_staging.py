@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 import fp_dcp.save.writer
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, IOConfig, SaveCancelledError
+from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.format import METADATA_NAME
 from fp_dcp.gpu.streaming import Staging, StreamingCopier
 from fp_dcp.io.engine import Engine, ThreadEngine, UringEngine
@@ -408,6 +409,34 @@ def test_gpu_state_round_trips_with_the_checksums_of_its_host_copy(tmp_path, con
     assert target["objects"]["step"] == 7
     pool = pool_of(writer)
     assert all(torch.frombuffer(view, dtype=torch.uint8).is_pinned() for view in pool.views)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["streaming", "snapshot"])
+def test_gpu_incremental_saves_hash_device_tensors_as_their_host_copies(tmp_path, mode):
+    # Same bytes, same hashes (samples of contiguous device tensors included) whatever the staging mode;
+    # the second save references every tensor that did not change.
+    state = gpu_state()
+    with FastPersistWriter(incremental=True, config=ROUTED, mode=mode) as writer:
+        for step in (1, 2):
+            writer.base = str(tmp_path / "step-1") if step == 2 else None
+            response = dcp.async_save(
+                state, checkpoint_id=str(tmp_path / f"step-{step}"), storage_writer=writer, async_stager=writer
+            )
+            response.upload_completion.result()
+            state["fp32"].add_(1)
+        second = writer.last_save
+    dcp.save(host_copy(gpu_state()), storage_writer=FastPersistWriter(tmp_path / "cpu", incremental=True))
+    hashes = {i.fqn: loc.xxh3_128 for i, loc in open_checkpoint(tmp_path / "step-1").metadata.storage_data.items()}
+    cpu = {i.fqn: loc.xxh3_128 for i, loc in open_checkpoint(tmp_path / "cpu").metadata.storage_data.items()}
+    assert hashes == cpu
+    assert second.referenced > 0 and second.bytes < 70_001 * 4 + 4096
+    target = empty_like(host_copy(state))
+    target["objects"] = {"step": 0}
+    load(target, tmp_path / "step-2")
+    assert same_bytes(target["fp32"], state["fp32"].cpu() - 1)
+    assert same_bytes(target["big_bf16"], state["big_bf16"].cpu())
 
 
 @pytest.mark.gpu

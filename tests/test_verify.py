@@ -51,7 +51,7 @@ def data_files(path) -> list:
 def spans(path) -> list[tuple[str, int, int, str]]:
     """(file, start, stop, fqn) of every stored item."""
     storage = FastPersistReader(path).read_metadata().storage_data
-    return [(file, offset, offset + length, index.fqn) for index, (file, offset, length, _) in storage.items()]
+    return [(file, offset, offset + length, index.fqn) for index, (file, offset, length, *_) in storage.items()]
 
 
 @pytest.fixture

@@ -41,7 +41,10 @@ class DeviceCopier:
     """Copies the device parts of staged extents; this base has no device and copies nothing."""
 
     def prepare(self, pool: BufferPool, sources: Iterable[ByteSource]) -> None:
-        """Before the first transfer of a save, given the pool the buffers come from and every item's source."""
+        """Before a save first reads a source, given the pool the buffers come from and every item's source.
+
+        After it, device tensors may be read on this thread's current stream too.
+        """
 
     def issue(self, buffer: memoryview, extent: Extent) -> Batch | None:
         """Queue the copies of ``extent``'s device parts into ``buffer``; None when it has none."""

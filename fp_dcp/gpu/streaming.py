@@ -119,18 +119,18 @@ class Staging:
 
 
 def _crc(owner: Any, region: memoryview) -> None:
-    owner.crc = _cio.crc32c(region, owner.crc)
+    owner.crc = _cio.crc32c(region, owner.crc, owner.hasher)
 
 
 def _copy_crc(owner: Any, region: memoryview, landed: memoryview) -> None:
-    owner.crc = _cio.copy_crc32c(region, landed, owner.crc)
+    owner.crc = _cio.copy_crc32c(region, landed, owner.crc, owner.hasher)
 
 
 def _copy_through_host(side: SideStream, part: Part, region: memoryview) -> None:
     # Not contiguous on the device: the host path materializes it slab by slab,
     # here on the side stream, so it is ordered after the values were produced.
     with side.context():
-        part.owner.crc = part.owner.source.copy_into(region, part.owner_offset, part.owner.crc)
+        part.owner.crc = part.owner.source.copy_into(region, part.owner_offset, part.owner.crc, part.owner.hasher)
 
 
 class CopyBatch:
@@ -173,7 +173,11 @@ class StreamingCopier(DeviceCopier):
         self.devices: set[torch.device] = set()
 
     def prepare(self, pool: BufferPool, sources: Iterable[ByteSource]) -> None:
-        """Before the first transfer: side streams wait for the values; the pool gets page-locked."""
+        """Before the first read of a device tensor: streams wait for the values; the pool gets page-locked.
+
+        Both the side streams and the current stream wait: incremental saves read device tensors to hash
+        them through the current (default) stream.
+        """
         staging = self.staging
         self.devices = {d for d in map(staging.device_of, sources) if d is not None}
         if any(d.type == "cuda" for d in self.devices):
@@ -182,6 +186,8 @@ class StreamingCopier(DeviceCopier):
             event = self.ready.get(device)
             if event is None and device.type == "cuda":  # dcp.save: this thread's stream made the values
                 event = torch.cuda.current_stream(device).record_event()
+            elif event is not None:  # async_save: the values were made on the training thread's stream
+                torch.cuda.current_stream(device).wait_event(event)
             staging.side_stream(device).wait_for(event)
 
     def describe(self) -> str:

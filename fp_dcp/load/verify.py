@@ -8,6 +8,8 @@ A load checks what it reads; this checks everything, once, front to back:
 - the bytes between, before and after the items: zeros, as the format
   specifies. So a flipped byte anywhere in a data file is found, not only one
   inside an item (a load would not notice one in the padding, nor need to).
+  In a file an incremental save referenced in an earlier checkpoint, only
+  the items it references are checked (the rest belong to that checkpoint).
 
 Data files are read through the same engine and in-flight window as loads
 (io_uring or threads, O_DIRECT where the filesystem allows, so the disk's
@@ -129,7 +131,8 @@ def verify_checkpoint(
         for name, items in by_file.items():
             size = catalog.file_sizes[name]
             before = tracker.done
-            checked += _verify_file(catalog.paths[name], size, items, engine, pool, tracker, problems)
+            whole = name not in checkpoint.owners
+            checked += _verify_file(catalog.paths[name], size, items, whole, engine, pool, tracker, problems)
             tracker.advance(size - (tracker.done - before))  # bytes a short or missing file could not give
     finally:
         io.close()
@@ -199,8 +202,13 @@ class _Segment:
         return checksum_mismatch(index, loc, self.crc)
 
 
-def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> tuple[list[_Segment], int]:
-    """The items within the first ``size`` bytes and the padding around them, in file order; and their item bytes."""
+def _segments(
+    name: str, size: int, items: list[_Item], padding: bool, problems: list[str]
+) -> tuple[list[_Segment], int]:
+    """The items within the first ``size`` bytes and (with ``padding``) the bytes around them, in file order.
+
+    Also returns the items' bytes.
+    """
     segments = []
     cursor = 0
     nbytes = 0
@@ -215,7 +223,7 @@ def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> 
                 f"{describe_item(index, loc)}: overlaps the item before it ({METADATA_NAME} is inconsistent)"
             )
             continue
-        if loc.offset > cursor:
+        if loc.offset > cursor and padding:
             segments.append(_Segment(cursor, loc.offset, None))
         if loc.length:
             segments.append(_Segment(loc.offset, stop, (index, loc)))
@@ -223,7 +231,7 @@ def _segments(name: str, size: int, items: list[_Item], problems: list[str]) -> 
             problems.append(f"checksum mismatch for {describe_item(index, loc)}: stored {loc.crc32c:08x} for no bytes")
         nbytes += loc.length
         cursor = stop
-    if cursor < size:
+    if cursor < size and padding:
         segments.append(_Segment(cursor, size, None))
     return segments, nbytes
 
@@ -232,12 +240,13 @@ def _verify_file(
     path: str,
     expected: int,
     items: list[_Item],
+    whole: bool,
     engine: Engine,
     pool: BufferPool,
     tracker: Progress,
     problems: list[str],
 ) -> int:
-    """Check one data file, adding to ``problems``; returns the item bytes checksummed."""
+    """Check one data file (``whole``: its padding too), adding to ``problems``; returns the item bytes checked."""
     name = os.path.basename(path)
     try:
         f = open_file(path, create=False, direct=None)
@@ -253,7 +262,7 @@ def _verify_file(
             problems.append(f"data file {path} is truncated: {size} bytes, written as {expected}")
         elif size > expected:
             problems.append(f"data file {path} is {size} bytes, written as {expected}: something appended to it")
-        segments, nbytes = _segments(name, min(size, expected), items, problems)
+        segments, nbytes = _segments(name, min(size, expected), items, whole, problems)
         if f.direct and min(size, expected) % f.align:
             # A truncated file: through the page cache, so no direct read has to end past the end.
             f.close()
@@ -278,7 +287,7 @@ def _holds(items: list[_Item]) -> str:
 
 
 def _scan(engine: Engine, f: DataFile, pool: BufferPool, segments: list[_Segment], progress: Progress) -> None:
-    """Read the bytes the segments cover (they tile the file) through the read pipeline's window, feeding each."""
+    """Read the bytes the segments cover (in file order) through the read pipeline's window, feeding each."""
 
     def retire(extent: Extent, buffer: memoryview | None) -> None:
         assert buffer is not None  # segments have no memory of their own: every extent is staged

@@ -12,6 +12,10 @@ A ``DeviceCopier`` copies the device parts of staged extents (the CPU one
 copies nothing; ``fp_dcp.gpu.streaming`` has the GPU one), and the save's
 ``SaveControls`` can cancel it between extents and are told when every
 source has been read.
+
+In an incremental save (``fp_dcp.save.incremental``) the items unchanged
+since its base are found first and only referenced; the others are written,
+their XXH3-128 computed in the same pass as their CRC-32C.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from ..io.files import DataFile, open_file, preallocate
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
+from .incremental import Incremental
 
-__all__ = ["FileWritten", "split_items", "write_files"]
+__all__ = ["FileWritten", "write_files"]
 
 _ZEROS = bytes(64 * 1024)
 
@@ -53,13 +58,19 @@ class FileWritten:
 
 
 class _Item:
-    __slots__ = ("write_item", "source", "offset", "crc")
+    __slots__ = ("write_item", "source", "offset", "crc", "hasher", "sample")
 
     def __init__(self, write_item: WriteItem, source: ByteSource) -> None:
         self.write_item = write_item
         self.source = source
         self.offset = 0
         self.crc = 0
+        self.hasher: _cio.Hash128 | None = None  # incremental saves: fed wherever crc is
+        self.sample: str | None = None  # incremental saves: its sample's hash
+
+    def location(self, name: str) -> ItemLocation:
+        digest = self.hasher.hexdigest() if self.hasher is not None else None
+        return ItemLocation(name, self.offset, self.source.nbytes, self.crc, digest, self.sample)
 
 
 def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _Item:
@@ -79,10 +90,11 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _I
     return _Item(write_item, source)
 
 
-def split_items(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
-    """Deal items into ``n`` groups of near-equal bytes, keeping plan order within each."""
-    owners, _ = deal([stored_nbytes(item) or 0 for item in items], [range(n)] * len(items), n)
-    groups: list[list[WriteItem]] = [[] for _ in range(n)]
+def _split(items: list[_Item], n: int) -> list[list[_Item]]:
+    """Deal items into ``n`` groups of near-equal bytes (objects count as none), keeping plan order within each."""
+    sizes = [stored_nbytes(it.write_item) or 0 for it in items]
+    owners, _ = deal(sizes, [range(n)] * len(items), n)
+    groups: list[list[_Item]] = [[] for _ in range(n)]
     for item, group in zip(items, owners, strict=True):
         groups[group].append(item)
     return groups
@@ -96,30 +108,48 @@ def _zero(buf: memoryview, start: int, stop: int) -> None:
 
 
 def write_files(
-    targets: list[tuple[str, list[WriteItem]]],
+    write_items: list[WriteItem],
+    paths: list[str],
     planner: SavePlanner,
     engine: Engine,
     pool: BufferPool,
     config: IOConfig,
     controls: SaveControls,
     copier: DeviceCopier,
+    incremental: Incremental | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
-    """Write each (path, items) target into a new file, all durably; return the items' results.
+    """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
 
-    The files' extents are interleaved, so files on different devices are
+    Returns the items' results, whose ``storage_data`` is (an ``ItemLocation``
+    as a tuple, whether it is a reference into the incremental base). The
+    files' extents are interleaved, so files on different devices are
     written at the same time. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
     those writes completed.
     """
+    resolved = [_resolve(wi, planner, pool.size) for wi in write_items]
+    copier.prepare(pool, [it.source for it in resolved])
+    references: dict[int, ItemLocation] = {}
+    if incremental is not None:
+        tensors = [it for it in resolved if it.write_item.type != WriteItemType.BYTE_IO]
+        for it, sample in zip(tensors, incremental.samples([it.source for it in tensors]), strict=True):
+            it.sample = sample
+        references = incremental.unchanged(
+            [(it.write_item, it.source) for it in resolved], [it.sample for it in resolved]
+        )
+    to_write = [it for position, it in enumerate(resolved) if position not in references]
+    if incremental is not None:
+        for it in to_write:
+            it.hasher = _cio.Hash128()
     plans = []
-    for path, write_items in targets:
-        items = [_resolve(wi, planner, pool.size) for wi in write_items]
+    for path, items in zip(paths, _split(to_write, len(paths)), strict=True):
+        if not items:
+            continue
         offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
         for it, offset in zip(items, offsets, strict=True):
             it.offset = offset
         plans.append((path, items, size))
-    copier.prepare(pool, [it.source for _, items, _ in plans for it in items])
 
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
@@ -137,7 +167,7 @@ def write_files(
             controls.check()
             if extent.direct:
                 it = extent.direct.owner
-                it.crc = _cio.crc32c(extent.direct.memory, it.crc)
+                it.crc = _cio.crc32c(extent.direct.memory, it.crc, it.hasher)
                 buffer, data = None, extent.direct.memory
                 in_place = True
             else:
@@ -162,15 +192,14 @@ def write_files(
     written = []
     for (path, items, size), f in zip(plans, files, strict=True):
         name = os.path.basename(path)
-        results += [
-            WriteResult(
-                index=it.write_item.index,
-                size_in_bytes=it.source.nbytes,
-                storage_data=tuple(ItemLocation(name, it.offset, it.source.nbytes, it.crc)),
-            )
-            for it in items
-        ]
+        for it in items:
+            location = it.location(name)
+            results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), False)))
         written.append(FileWritten(name, size, sum(it.source.nbytes for it in items), f.direct))
+    for position, location in references.items():
+        it = resolved[position]
+        location = location._replace(xxh3_sample=it.sample or location.xxh3_sample)  # the same bytes: the same sample
+        results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), True)))
     return results, written
 
 
@@ -187,7 +216,7 @@ def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryvie
             _zero(buffer, cursor, buf_offset)
             cursor = buf_offset + length
             if batch is None or owner not in batch:
-                owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc)
+                owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher)
         _zero(buffer, cursor, extent.length)
     except BaseException:
         if batch is not None:

@@ -21,8 +21,8 @@ from torch.futures import Future
 from ..checkpoint import published_files
 from ..compat import check_filesystem_writer_options, item_location, stock_plan_data
 from ..config import IOConfig
-from ..errors import CheckpointExistsError
-from ..format import METADATA_NAME, data_file_name, encode_metadata, file_index
+from ..errors import CheckpointError, CheckpointExistsError
+from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
 from ..gpu.streaming import Staging
 from ..io import files
@@ -31,7 +31,8 @@ from ..units import PAGE, align_up
 from . import commit
 from .checkpoint_path import checkpoint_directory
 from .controls import SaveControls
-from .pipeline import split_items, write_files
+from .incremental import Base, Incremental, check_hashing
+from .pipeline import write_files
 from .placement import Placement
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
@@ -50,6 +51,7 @@ class SaveSummary:
     engine: str  # e.g. "io_uring", or "threads (io_uring refused by the kernel: ...)"
     direct_io: bool  # whether the data files were written with O_DIRECT
     staging: str = "none"  # how device tensors reached the host ("none" when the state was all on the CPU)
+    referenced: int = 0  # incremental saves: item bytes found unchanged and referenced in the base, not written
 
     @property
     def gbps(self) -> float:
@@ -135,6 +137,17 @@ class FastPersistWriter(StorageWriter):
             (kept and reused across saves) on a side stream, and
             ``staging_completion`` fires when the copy is done; the write may
             then span several steps. Host memory: the state's size, once.
+        incremental: store each item's XXH3-128 content hash (computed in
+            the same pass as its CRC-32C), so that later saves can use this
+            checkpoint as their ``base``. Needs fp-dcp built with libxxhash.
+        base: with ``incremental``, an earlier incremental checkpoint (saved
+            with the same ``data_dirs``): tensor chunks whose bytes equal
+            those stored there (same dtype, shape, length, CRC-32C and
+            XXH3-128) are not written again; the new checkpoint references
+            them in the file that holds them (``fp_dcp.save.incremental``).
+            Deleting or changing a checkpoint whose files a later one
+            references damages that one: ``CheckpointManager(incremental=True)``
+            keeps track. A settable attribute; None (the default) writes everything.
         **filesystem_writer_options: the keyword arguments of torch's
             ``FileSystemWriter`` are accepted, so that code constructing one
             takes this class unchanged (``fp_dcp.compat.check_filesystem_writer_options``
@@ -159,10 +172,18 @@ class FastPersistWriter(StorageWriter):
         lanes_per_dir: int = 1,
         config: IOConfig | None = None,
         mode: Mode = "streaming",
+        incremental: bool = False,
+        base: str | os.PathLike[str] | None = None,
         **filesystem_writer_options: Any,
     ) -> None:
         super().__init__()
         check_filesystem_writer_options(filesystem_writer_options)
+        if incremental:
+            check_hashing()
+        elif base is not None:
+            raise ValueError("FastPersistWriter(base=...) needs incremental=True")
+        self.incremental = incremental
+        self.base = base
         self._default_path = checkpoint_directory(path) if path is not None else None
         self._path = self._default_path
         self.overwrite = overwrite
@@ -195,9 +216,21 @@ class FastPersistWriter(StorageWriter):
         self._lock: commit.SaveLock | None = None
         self._replaced: set[str] = set()
         self._token = ""
+        self._base: Base | None = None  # the base opened for the save in progress
 
     # What travels to DCP's checkpoint process: the settings and the current directory.
-    _PICKLED = ("_default_path", "_path", "overwrite", "data_dirs", "lanes_per_dir", "config", "mode", "_id")
+    _PICKLED = (
+        "_default_path",
+        "_path",
+        "overwrite",
+        "data_dirs",
+        "lanes_per_dir",
+        "config",
+        "mode",
+        "incremental",
+        "base",
+        "_id",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         waiting = self._async.unbegun()
@@ -253,6 +286,9 @@ class FastPersistWriter(StorageWriter):
                 raise CheckpointExistsError(f"Checkpoint already exists in {self.path} (published) and overwrite=False")
             self._lock = commit.SaveLock(self.path)
             self._replaced = published_files(self.path)
+        if self.base is not None and not self.incremental:
+            raise ValueError("FastPersistWriter.base is set but incremental is False")
+        self._base = Base.open(os.fspath(self.base), self.data_dirs) if self.base is not None else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -285,15 +321,19 @@ class FastPersistWriter(StorageWriter):
     ) -> Future[list[WriteResult]]:
         start = time.perf_counter()
         engine, pool = self._io.get()
-        groups = split_items(plan.items, self.placement.files_per_rank)
-        targets = [
-            (os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token)), items)
-            for k, items in enumerate(groups)
-            if items
+        paths = [
+            os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token))
+            for k in range(self.placement.files_per_rank)
         ]
         copier = self._staging.copier(staged.ready if staged else None)
-        results, written = write_files(targets, planner, engine, pool, self.config, controls, copier)
-        for directory in {os.path.dirname(path) for path, _ in targets}:
+        incremental = None
+        if self.incremental:
+            threads = min(self.config.io_threads, os.cpu_count() or 1)
+            incremental = Incremental(self._base, threads)
+        results, written = write_files(
+            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental
+        )
+        for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them
         self.last_save = SaveSummary(
             bytes=sum(w.payload for w in written),
@@ -302,17 +342,16 @@ class FastPersistWriter(StorageWriter):
             engine=engine.describe(),
             direct_io=all(w.direct for w in written),
             staging=copier.describe(),
+            referenced=sum(r.size_in_bytes for r in results if r.storage_data[1]),
         )
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        sizes: dict[str, int] = {}
-        for file, offset, length, _ in storage_data.values():
-            sizes[file] = max(sizes.get(file, 0), align_up(offset + length, PAGE))
-        entries = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
+        located = [(r.index, ItemLocation._make(r.storage_data[0]), r.storage_data[1]) for rs in results for r in rs]
+        storage_data = {index: location for index, location, _ in located}
+        entries = self._file_entries([(location, referenced) for _, location, referenced in located])
         # DCP's plan caching hands every save the same Metadata object: encode this save's own copy,
         # then fill the shared one in too (DCP returns it to the caller, as with FileSystemWriter).
         stored = {index: item_location(*location) for index, location in storage_data.items()}
@@ -334,11 +373,32 @@ class FastPersistWriter(StorageWriter):
             except files.ReplaceFailedError:
                 self._remove_files(entries)  # unpublished: they would only hold the space a retry needs
                 raise
-            keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}
+            keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}  # incl. files of its base it took over
             for directory in dict.fromkeys([self.path, *self.placement.directories]):
                 commit.remove_unreferenced(directory, keep, replaced=self._replaced)
         finally:
             self._release_lock()
+
+    def _file_entries(self, locations: list[tuple[ItemLocation, bool]]) -> dict[str, dict[str, Any]]:
+        """The footer's ``files``: the data files this save wrote, and those of its base it references."""
+        sizes: dict[str, int] = {}
+        referenced: set[str] = set()
+        for location, is_reference in locations:
+            if is_reference:
+                referenced.add(location.file)
+            else:
+                end = align_up(location.offset + location.length, PAGE)
+                sizes[location.file] = max(sizes.get(location.file, 0), end)
+        entries = {name: self.placement.describe(file_index(name), size) for name, size in sizes.items()}
+        base = self._base
+        for name in referenced:
+            if base is None or name not in base.checkpoint.file_sizes:
+                raise CheckpointError(
+                    f"a rank referenced {name} of the incremental base {self.base}, which the coordinating rank "
+                    "cannot read or which does not list it: every rank must save against the same, readable base"
+                )
+            entries[name] = base.entry(name, self.path)
+        return entries
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

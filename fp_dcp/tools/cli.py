@@ -122,10 +122,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in steps], indent=2))
     else:
-        print(f"{'step':>10}  {'status':<10}  {'size':>10}  {'published (UTC)':<19}  problem")
+        header = f"{'step':>10}  {'status':<10}  {'size':>10}  {'written':>10}  {'published (UTC)':<19}  references"
+        print(f"{header:<89}  problem")
         for s in steps:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.published)) if s.published else "-"
-            print(f"{s.step:>10}  {s.status:<10}  {human(s.bytes):>10}  {when:<19}  {s.problem}")
+            line = f"{s.step:>10}  {s.status:<10}  {human(s.bytes):>10}  {human(s.written):>10}  {when:<19}"
+            print(f"{line}  {' '.join(s.references) or '-':<20}  {s.problem}".rstrip())
         print(f"{args.root}: {plural(len(steps), 'step')}")
     return 0 if all(s.status != "corrupt" for s in steps) else 1
 
