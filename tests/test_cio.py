@@ -1,4 +1,4 @@
-"""The C extension on its own: CRC-32C, the ring, the system helpers."""
+"""The C extension on its own: CRC-32C, XXH3-128, the ring, the system helpers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import errno
 import mmap
 import os
 import random
+import shutil
+import subprocess
 
 import pytest
 
@@ -69,6 +71,56 @@ def aligned(n: int) -> mmap.mmap:
 
 
 @needs_uring
+def xxhsum(path) -> str:
+    """XXH3-128 of a file by xxHash's own command line tool (Debian's xxhash package): an independent reference."""
+    if shutil.which("xxhsum") is None:
+        pytest.skip("xxhsum is not installed (make system-deps installs it)")
+    return subprocess.run(["xxhsum", "-H2", str(path)], capture_output=True, text=True, check=True).stdout.split()[0]
+
+
+@pytest.mark.parametrize("length", [0, 1, 16, 128, 129, 240, 241, 1024, 100_003, 3 * (1 << 20) + 5])
+def test_hash128_is_xxh3_128_as_xxhsum_computes_it(tmp_path, length):
+    data = random.Random(length).randbytes(length)
+    (tmp_path / "data").write_bytes(data)
+    h = _cio.Hash128()
+    h.update(data)
+    assert h.hexdigest() == xxhsum(tmp_path / "data")
+
+
+def test_hash128_known_vector_and_streaming_in_pieces():
+    assert _cio.Hash128().hexdigest() == "99aa06d3014798d86001c324468d497f"  # XXH3_128bits of no bytes
+    data = random.Random(7).randbytes(1_000_003)
+    whole = _cio.Hash128()
+    whole.update(data)
+    pieces = _cio.Hash128()
+    cuts = sorted(random.Random(8).sample(range(1, len(data)), 40))
+    for start, stop in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        pieces.update(memoryview(data)[start:stop])
+    assert pieces.hexdigest() == whole.hexdigest()
+
+
+@pytest.mark.parametrize("length", [10, 300_000, 1_000_003])
+def test_checksums_feed_the_hasher_the_same_bytes_in_the_same_pass(length):
+    data = random.Random(length).randbytes(length)
+    expected = _cio.Hash128()
+    expected.update(data)
+    fed = _cio.Hash128()
+    assert _cio.crc32c(data, 0, fed) == _cio.crc32c(data)
+    assert fed.hexdigest() == expected.hexdigest()
+    dst = bytearray(length)
+    copied = _cio.Hash128()
+    half = length // 2
+    crc = _cio.copy_crc32c(memoryview(dst)[:half], data[:half], 0, copied)
+    crc = _cio.copy_crc32c(memoryview(dst)[half:], data[half:], crc, copied)
+    assert bytes(dst) == data and crc == _cio.crc32c(data) and copied.hexdigest() == expected.hexdigest()
+
+
+def test_hasher_must_be_a_hash128():
+    with pytest.raises(TypeError, match="hasher must be a Hash128"):
+        _cio.crc32c(b"abc", 0, object())
+    assert _cio.crc32c(b"abc", 0, None) == _cio.crc32c(b"abc")
+
+
 def test_ring_write_read_fsync_roundtrip(tmp_path):
     path = tmp_path / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)

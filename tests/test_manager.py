@@ -340,3 +340,17 @@ def test_two_ranks_reference_their_own_unchanged_items_and_restore_in_fresh_proc
     with CheckpointManager(root) as mgr:  # one process restores what two saved
         assert mgr.restore(state) == 3
     assert_tuned(state, 3)
+
+
+def test_saving_over_a_step_that_a_newer_one_references_is_refused(tmp_path):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=1, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, tuned_at(step))
+        with pytest.raises(ValueError, match=r"step 1 of .* holds data files that step-3 references"):
+            mgr.save(1, tuned_at(4))  # retired, kept for step 3
+        mgr.save(3, tuned_at(3))  # the newest step may be saved again: nothing newer uses it
+    state = tuned_empty()
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 3
+    assert_tuned(state, 3)

@@ -44,7 +44,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -66,6 +66,7 @@ from .overlap import OverlappedCheckpointer
 __all__ = ["CheckpointManager", "StepInfo", "list_steps", "step_directory"]
 
 StateDict = dict[str, Any]
+T = TypeVar("T")
 Status = Literal["complete", "verified", "incomplete", "corrupt", "retired"]
 
 _STEP = re.compile(r"step-(\d+)")
@@ -269,8 +270,18 @@ class CheckpointManager:
         return self.every_seconds is not None and (last is None or time.monotonic() - last >= self.every_seconds)
 
     def save(self, step: int, state: StateDict) -> None:
-        """Checkpoint ``state`` as ``step``; waits for the previous save first (and raises its error)."""
+        """Checkpoint ``state`` as ``step``; waits for the previous save first (and raises its error).
+
+        Saving over a step whose files a newer step references (in an
+        incremental run) raises ``ValueError``: it would damage that step.
+        """
         self.wait()
+        user = self._agree(self._user_of(step) if self.is_coordinator else None)
+        if user is not None:
+            raise ValueError(
+                f"step {step} of {self.root} holds data files that {user} references: saving over it would damage "
+                f"that step; save under a newer step number"
+            )
         self._last_save_time = time.monotonic()
         last = self._last_step
         self.writer.base = step_directory(self.root, last) if self.incremental and last is not None else None
@@ -350,8 +361,27 @@ class CheckpointManager:
             info = _inspect(step, path, self.verify)
             if info.status in ("complete", "verified"):
                 return info.step
+            if info.status == "retired":
+                continue  # not a checkpoint by design: nothing to warn about
             log.warning("fp-dcp: skipping step %d of %s (%s): %s", info.step, self.root, info.status, info.problem)
         return None
+
+    def _user_of(self, step: int) -> str | None:
+        """A step that references files of ``step``'s directory, if there is one (its name)."""
+        path = step_directory(self.root, step)
+        state = _state(path) if os.path.isdir(path) else "dead"
+        if state == "dead":
+            return None
+        for other, other_path in _step_directories(self.root):
+            if other <= step or _state(other_path) != "published":
+                continue
+            try:
+                owners = referenced_files(other_path)
+            except (CheckpointError, OSError):
+                continue  # a step whose metadata is unreadable is not restorable: nothing to protect
+            if os.path.abspath(path) in map(os.path.abspath, owners.values()):
+                return os.path.basename(other_path)
+        return "a newer step" if state == "retired" else None  # retired: kept because something references it
 
     # ------------------------------------------------------------- retention
 
@@ -474,11 +504,11 @@ class CheckpointManager:
         if self._distributed():
             dist.barrier(self.process_group)
 
-    def _agree(self, step: int | None) -> int | None:
+    def _agree(self, choice: T) -> T:
         """The coordinator's choice, on every rank."""
         if not self._distributed():
-            return step
-        box = [step]
+            return choice
+        box = [choice]
         group = self.process_group
         coordinator = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(box, src=coordinator, group=group)
