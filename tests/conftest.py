@@ -14,7 +14,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
+
+needs_xxhash = pytest.mark.skipif(
+    not hasattr(_cio, "Hash128"), reason="fp_dcp._cio built without libxxhash (make system-deps installs it)"
+)
+"""For tests of incremental saves, which need the content hash (like io_uring, an optional part of the build)."""
 
 SMALL = IOConfig(buffer_size=64 * 1024, num_buffers=3, block_size=16 * 1024, queue_depth=4, direct_min=8192)
 """Tiny buffers and requests, so small tensors exercise splitting, direct runs and buffer reuse."""

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import needs_xxhash
 
 from fp_dcp import _cio
 
@@ -78,6 +79,7 @@ def xxhsum(path) -> str:
     return subprocess.run(["xxhsum", "-H2", str(path)], capture_output=True, text=True, check=True).stdout.split()[0]
 
 
+@needs_xxhash
 @pytest.mark.parametrize("length", [0, 1, 16, 128, 129, 240, 241, 1024, 100_003, 3 * (1 << 20) + 5])
 def test_hash128_is_xxh3_128_as_xxhsum_computes_it(tmp_path, length):
     data = random.Random(length).randbytes(length)
@@ -87,6 +89,7 @@ def test_hash128_is_xxh3_128_as_xxhsum_computes_it(tmp_path, length):
     assert h.hexdigest() == xxhsum(tmp_path / "data")
 
 
+@needs_xxhash
 def test_hash128_known_vector_and_streaming_in_pieces():
     assert _cio.Hash128().hexdigest() == "99aa06d3014798d86001c324468d497f"  # XXH3_128bits of no bytes
     data = random.Random(7).randbytes(1_000_003)
@@ -99,6 +102,7 @@ def test_hash128_known_vector_and_streaming_in_pieces():
     assert pieces.hexdigest() == whole.hexdigest()
 
 
+@needs_xxhash
 @pytest.mark.parametrize("length", [10, 300_000, 1_000_003])
 def test_checksums_feed_the_hasher_the_same_bytes_in_the_same_pass(length):
     data = random.Random(length).randbytes(length)
@@ -115,6 +119,7 @@ def test_checksums_feed_the_hasher_the_same_bytes_in_the_same_pass(length):
     assert bytes(dst) == data and crc == _cio.crc32c(data) and copied.hexdigest() == expected.hexdigest()
 
 
+@needs_xxhash
 def test_hasher_must_be_a_hash128():
     with pytest.raises(TypeError, match="hasher must be a Hash128"):
         _cio.crc32c(b"abc", 0, object())

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, empty_like, failure, load, same_bytes
+from conftest import SMALL, empty_like, failure, load, needs_xxhash, same_bytes
 from dist_util import run_ranks
 
 import fp_dcp.save.incremental
@@ -18,6 +18,8 @@ from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.tools.convert import convert
 from fp_dcp.tools.inspect import inspect_checkpoint
+
+pytestmark = needs_xxhash
 
 FROZEN, TRAINED = (256, 1024), (64, 512)  # 1 MiB of float32 that never changes, 128 KiB that does
 

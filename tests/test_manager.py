@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import needs_xxhash
 from dist_util import run_ranks
 
 from fp_dcp import CheckpointManager, FastPersistReader, list_steps
@@ -167,6 +168,7 @@ def test_two_ranks_save_prune_and_restore_in_fresh_processes(tmp_path):
     assert run_ranks(2, _ranks_restore, root) == [(2, 2.0 + 2), (2, 2.0 + 3)]
 
 
+@needs_xxhash
 def test_kills_at_random_points_always_leave_a_restorable_complete_step(tmp_path):
     # benchmarks/manager_crash_trials.py is the harness (100 kills for the figures); a few here, both engines
     script = ROOT / "benchmarks" / "manager_crash_trials.py"
@@ -203,6 +205,7 @@ def assert_tuned(state: dict[str, torch.Tensor], step: int, **kwargs) -> None:
     assert all(torch.equal(state[k], expected[k]) for k in expected), step
 
 
+@needs_xxhash
 @pytest.mark.parametrize("mode", ["snapshot", "streaming"])
 def test_incremental_runs_retire_steps_whose_files_newer_steps_use(tmp_path, mode):
     root = tmp_path / "run"
@@ -239,6 +242,7 @@ def test_incremental_runs_retire_steps_whose_files_newer_steps_use(tmp_path, mod
     assert_tuned(state, 8, frozen_until=7)
 
 
+@needs_xxhash
 def test_a_stock_dcp_load_reads_an_incremental_step_through_the_fp_dcp_reader(tmp_path):
     root = tmp_path / "run"
     with CheckpointManager(root, incremental=True, asynchronous=False) as mgr:
@@ -278,6 +282,7 @@ def newest_data_offset(root, step: int) -> int:
     return location.offset + 3
 
 
+@needs_xxhash
 @pytest.mark.parametrize("damage", list(INCREMENTAL_DAMAGE))
 def test_restore_picks_the_newest_intact_step_of_an_incremental_run(tmp_path, caplog, damage):
     # "base" changes at step 2: steps 3 and 4 reference step-2's file, step 1 stands alone
@@ -294,6 +299,7 @@ def test_restore_picks_the_newest_intact_step_of_an_incremental_run(tmp_path, ca
     assert_tuned(state, expected, frozen_until=2)
 
 
+@needs_xxhash
 def test_a_retirement_cut_short_is_never_restored_and_is_finished(tmp_path):
     root = tmp_path / "run"
     with CheckpointManager(root, keep_last=5, incremental=True) as mgr:
@@ -328,6 +334,7 @@ def _ranks_restore_tuned(rank: int, world: int, root: str) -> tuple[int | None, 
     return step, torch.equal(state[f"own{rank}"], torch.full((20_000,), float(rank)))
 
 
+@needs_xxhash
 def test_two_ranks_reference_their_own_unchanged_items_and_restore_in_fresh_processes(tmp_path):
     root = str(tmp_path / "run")
     referenced = run_ranks(2, _ranks_incremental_run, root)
@@ -342,6 +349,7 @@ def test_two_ranks_reference_their_own_unchanged_items_and_restore_in_fresh_proc
     assert_tuned(state, 3)
 
 
+@needs_xxhash
 def test_saving_over_a_step_that_a_newer_one_references_is_refused(tmp_path):
     root = tmp_path / "run"
     with CheckpointManager(root, keep_last=1, incremental=True) as mgr:

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, empty_like, failure, load, same_bytes
+from conftest import SMALL, empty_like, failure, load, needs_xxhash, same_bytes
 from dist_util import run_ranks
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -413,6 +413,7 @@ def test_gpu_state_round_trips_with_the_checksums_of_its_host_copy(tmp_path, con
 
 @pytest.mark.gpu
 @cuda
+@needs_xxhash
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])
 def test_gpu_incremental_saves_hash_device_tensors_as_their_host_copies(tmp_path, mode):
     # Same bytes, same hashes (samples of contiguous device tensors included) whatever the staging mode;
