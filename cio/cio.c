@@ -272,9 +272,10 @@ static int hash_feed(HashObject *h, const void *p, size_t n)
 /* Checksum (and, with dst, copy) in cache-sized steps, hashing each step while it is still cached. */
 #define COPY_STEP (256 * 1024)
 
+/* Copy (dst non-NULL), checksum (crc non-NULL: continued in place) and hash (h non-NULL) n bytes of src. */
 static int copy_crc_hash(uint8_t *dst, const uint8_t *src, size_t n, uint32_t *crc, HashObject *h)
 {
-    uint32_t c = ~*crc;
+    uint32_t c = crc ? ~*crc : 0;
     for (size_t off = 0; off < n; off += COPY_STEP) {
         size_t m = n - off < COPY_STEP ? n - off : COPY_STEP;
         const uint8_t *block = src + off;
@@ -282,30 +283,30 @@ static int copy_crc_hash(uint8_t *dst, const uint8_t *src, size_t n, uint32_t *c
             memcpy(dst + off, block, m);
             block = dst + off;
         }
-        c = crc_raw(c, block, m);
+        if (crc)
+            c = crc_raw(c, block, m);
         if (h && hash_feed(h, block, m) < 0)
             return -1;
     }
-    *crc = ~c;
+    if (crc)
+        *crc = ~c;
     return 0;
 }
 
-/* Run copy_crc_hash on Python buffers: GIL released for large ones, the hasher claimed meanwhile. */
-static PyObject *checksum_buffers(Py_buffer *dst, Py_buffer *src, PyObject *crc_obj, PyObject *hasher)
+/* copy_crc_hash on Python buffers, GIL released for large ones, the hasher claimed meanwhile; 0, or -1 with
+ * an exception set. */
+static int checksum_buffers(Py_buffer *dst, Py_buffer *src, uint32_t *crc, PyObject *hasher)
 {
-    uint32_t crc = 0;
     HashObject *h = NULL;
     int rc;
-    if (crc_obj && parse_crc(crc_obj, &crc) < 0)
-        return NULL;
     if (hasher && hasher != Py_None && !(h = hash_claim(hasher)))
-        return NULL;
+        return -1;
     uint8_t *out = dst ? dst->buf : NULL;
     if (src->len >= GIL_RELEASE_BYTES) {
-        Py_BEGIN_ALLOW_THREADS rc = copy_crc_hash(out, src->buf, (size_t)src->len, &crc, h);
+        Py_BEGIN_ALLOW_THREADS rc = copy_crc_hash(out, src->buf, (size_t)src->len, crc, h);
         Py_END_ALLOW_THREADS
     } else {
-        rc = copy_crc_hash(out, src->buf, (size_t)src->len, &crc, h);
+        rc = copy_crc_hash(out, src->buf, (size_t)src->len, crc, h);
     }
 #ifdef FP_DCP_HAVE_XXHASH
     if (h)
@@ -313,9 +314,9 @@ static PyObject *checksum_buffers(Py_buffer *dst, Py_buffer *src, PyObject *crc_
 #endif
     if (rc < 0) {
         PyErr_SetString(PyExc_RuntimeError, "XXH3_128bits_update failed");
-        return NULL;
+        return -1;
     }
-    return PyLong_FromUnsignedLong(crc);
+    return 0;
 }
 
 PyDoc_STRVAR(crc32c_doc, "crc32c(data, crc=0, hasher=None, /) -> int\n\n"
@@ -326,11 +327,13 @@ PyDoc_STRVAR(crc32c_doc, "crc32c(data, crc=0, hasher=None, /) -> int\n\n"
 static PyObject *py_crc32c(PyObject *self, PyObject *args)
 {
     Py_buffer data;
-    PyObject *crc_obj = NULL, *hasher = NULL;
+    PyObject *crc_obj = NULL, *hasher = NULL, *result = NULL;
+    uint32_t crc = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*|OO:crc32c", &data, &crc_obj, &hasher))
         return NULL;
-    PyObject *result = checksum_buffers(NULL, &data, crc_obj, hasher);
+    if ((!crc_obj || parse_crc(crc_obj, &crc) == 0) && checksum_buffers(NULL, &data, &crc, hasher) == 0)
+        result = PyLong_FromUnsignedLong(crc);
     PyBuffer_Release(&data);
     return result;
 }
@@ -344,16 +347,16 @@ PyDoc_STRVAR(copy_crc32c_doc,
 static PyObject *py_copy_crc32c(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
-    PyObject *crc_obj = NULL, *hasher = NULL;
+    PyObject *crc_obj = NULL, *hasher = NULL, *result = NULL;
+    uint32_t crc = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "w*y*|OO:copy_crc32c", &dst, &src, &crc_obj, &hasher))
         return NULL;
-    PyObject *result = NULL;
     if (dst.len != src.len)
         PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src has %zd", dst.len,
                      src.len);
-    else
-        result = checksum_buffers(&dst, &src, crc_obj, hasher);
+    else if ((!crc_obj || parse_crc(crc_obj, &crc) == 0) && checksum_buffers(&dst, &src, &crc, hasher) == 0)
+        result = PyLong_FromUnsignedLong(crc);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
@@ -368,11 +371,10 @@ static PyObject *hash_update(HashObject *self, PyObject *arg)
     Py_buffer data;
     if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
         return NULL;
-    PyObject *r = checksum_buffers(NULL, &data, NULL, (PyObject *)self); /* the CRC is discarded */
+    int rc = checksum_buffers(NULL, &data, NULL, (PyObject *)self);
     PyBuffer_Release(&data);
-    if (!r)
+    if (rc < 0)
         return NULL;
-    Py_DECREF(r);
     Py_RETURN_NONE;
 }
 

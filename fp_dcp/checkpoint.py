@@ -43,7 +43,15 @@ from torch.distributed.checkpoint.metadata import Metadata
 from . import _cio
 from .compat import is_item_location, item_fields
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
-from .format import METADATA_NAME, ItemLocation, decode_footer, decode_metadata, footer_span, is_fp_metadata
+from .format import (
+    METADATA_NAME,
+    TRAILER_SIZE,
+    ItemLocation,
+    decode_footer,
+    decode_metadata,
+    footer_span,
+    is_fp_metadata,
+)
 
 __all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files", "referenced_files"]
 
@@ -151,7 +159,10 @@ def open_checkpoint(
 
 
 def _owners(directory: str, footer: dict[str, Any]) -> dict[str, str]:
-    """File name -> directory of the checkpoint that wrote it, for the files owned by another one."""
+    """File name -> directory of the checkpoint whose save wrote it, for the files an earlier save wrote.
+
+    That directory is ``directory`` itself (owner ``"."``) after a save over its own base.
+    """
     entries = footer["files"].items()
     return {
         name: os.path.normpath(os.path.join(directory, entry["owner"])) for name, entry in entries if "owner" in entry
@@ -159,26 +170,29 @@ def _owners(directory: str, footer: dict[str, Any]) -> dict[str, str]:
 
 
 def referenced_files(directory: str) -> dict[str, str]:
-    """``Checkpoint.owners`` of the checkpoint in ``directory``, read from the end of its ``.metadata`` only.
+    """``Checkpoint.owners`` of the checkpoint in ``directory``, from the footer at the end of its ``.metadata``.
 
-    Cheap whatever the checkpoint's size (the pickle is neither read nor
-    checked). {} for a torch ``FileSystemWriter`` checkpoint, which has no
-    references. Raises NotACheckpointError without ``.metadata``, and
-    CorruptCheckpointError when the footer fails its checks.
+    Cheap whatever the checkpoint's size: the pickle is neither read nor
+    checked. {} for a torch ``FileSystemWriter`` checkpoint, which has no
+    references (telling one takes unpickling its metadata). Raises
+    NotACheckpointError without ``.metadata``, and CorruptCheckpointError
+    when it is neither an intact fp-dcp footer nor a stock checkpoint.
     """
     where = os.path.join(directory, METADATA_NAME)
     try:
         with open(where, "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - 16))
+            f.seek(max(0, size - TRAILER_SIZE))
             trailer = f.read()
-            if not is_fp_metadata(trailer):
-                return {}  # a stock checkpoint (or damage, which opening it reports)
-            f.seek(max(0, size - footer_span(trailer)))
-            tail = f.read()
+            if is_fp_metadata(trailer):
+                f.seek(max(0, size - footer_span(trailer)))
+                return _owners(directory, decode_footer(f.read(), where))
+            f.seek(0)
+            if _stock_metadata(f.read()) is not None:
+                return {}
     except FileNotFoundError:
         raise NotACheckpointError(f"{directory} holds no checkpoint: {METADATA_NAME} is missing") from None
-    return _owners(directory, decode_footer(tail, where))
+    raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
 
 
 def _locate(

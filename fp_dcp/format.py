@@ -58,6 +58,7 @@ REFERENCES_VERSION = 3  # the first version with file entries owned by another c
 METADATA_NAME = ".metadata"
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
+TRAILER_SIZE = _TRAILER.size
 
 SMALL_ALIGN = 64  # small items are packed tightly, at cache-line (and any dtype's) alignment
 
@@ -195,8 +196,8 @@ def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
 
 def footer_span(trailer: bytes) -> int:
     """How many bytes at the end of ``.metadata`` hold the footer and the trailer, from its last 16 bytes."""
-    footer_len, _, _ = _TRAILER.unpack(trailer[-_TRAILER.size :])
-    return int(footer_len) + _TRAILER.size
+    footer_len, _, _ = _TRAILER.unpack(trailer[-TRAILER_SIZE:])
+    return int(footer_len) + TRAILER_SIZE
 
 
 def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:

@@ -362,3 +362,28 @@ def test_saving_over_a_step_that_a_newer_one_references_is_refused(tmp_path):
     with CheckpointManager(root) as mgr:
         assert mgr.restore(state) == 3
     assert_tuned(state, 3)
+
+
+@needs_xxhash
+def test_a_staying_step_whose_references_cannot_be_read_stops_pruning(tmp_path, caplog):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, incremental=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, tuned_at(step))
+        mgr.wait()
+        assert [s.status for s in list_steps(root)] == ["retired", "complete", "complete"]
+        flip(root / "step-3" / METADATA_NAME, offset_from_end=3)  # the trailer's magic: its footer is unreadable
+        mgr.save(4, tuned_at(4))
+        mgr.wait()
+    assert "the references of" in caplog.text and "step-3 cannot be read" in caplog.text
+    # step 2 was not retired or removed: what step 3 references was unknown
+    assert [(s.step, s.status) for s in list_steps(root)] == [
+        (1, "retired"),
+        (2, "complete"),
+        (3, "corrupt"),
+        (4, "complete"),
+    ]
+    state = tuned_empty()
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 4
+    assert_tuned(state, 4)
