@@ -173,8 +173,8 @@ def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
     """
     if not is_fp_metadata(tail):
         raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
-    footer_len, footer_crc, _ = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)
-    footer_end = len(tail) - _TRAILER.size
+    footer_len, footer_crc, _ = _TRAILER.unpack_from(tail, len(tail) - TRAILER_SIZE)
+    footer_end = len(tail) - TRAILER_SIZE
     footer_bytes = tail[footer_end - footer_len : footer_end] if footer_len <= footer_end else b""
     if len(footer_bytes) != footer_len or _cio.crc32c(footer_bytes) != footer_crc:
         raise CorruptCheckpointError(f"{where}: metadata footer fails its checksum")
@@ -215,4 +215,4 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
 
 def is_fp_metadata(data: bytes) -> bool:
     """Whether ``.metadata`` bytes end in fp-dcp's trailer (checksums are checked by ``decode_metadata``)."""
-    return len(data) >= _TRAILER.size and data.endswith(TRAILER_MAGIC)
+    return len(data) >= TRAILER_SIZE and data.endswith(TRAILER_MAGIC)

@@ -109,13 +109,14 @@ class Base:
         data = item.tensor_data
         if item.type == WriteItemType.BYTE_IO or data is None:
             return None  # objects are small pickles: not worth a reference
-        location = self.checkpoint.metadata.storage_data.get(item.index)
+        # open_checkpoint made every location an ItemLocation
+        location: ItemLocation | None = self.checkpoint.metadata.storage_data.get(item.index)
         if location is None or location.xxh3_128 is None or location.length != nbytes:
             return None
         stored = self._chunks.get((item.index.fqn, tuple(data.chunk.offsets)))
         if stored != (data.chunk.sizes, data.properties.dtype):
             return None
-        return ItemLocation._make(location)
+        return location
 
     def entry(self, name: str, directory: str) -> dict[str, Any]:
         """The footer entry, in the checkpoint being saved in ``directory``, of the base's file ``name``."""
@@ -171,9 +172,6 @@ class Incremental:
             for (position, location), found in zip(candidates, digests, strict=True)
             if found == (location.crc32c, location.xxh3_128)
         }
-
-    def samples(self, sources: list[ByteSource]) -> list[str | None]:
-        return [sample_digest(source) for source in sources]
 
 
 def _map(fn: Callable[[Any], T], inputs: list[Any], threads: int) -> list[T]:

@@ -42,7 +42,7 @@ from ..io.files import DataFile, open_file, preallocate
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
-from .incremental import Incremental
+from .incremental import Incremental, sample_digest
 
 __all__ = ["FileWritten", "write_files"]
 
@@ -133,8 +133,8 @@ def write_files(
     references: dict[int, ItemLocation] = {}
     if incremental is not None:
         tensors = [it for it in resolved if it.write_item.type != WriteItemType.BYTE_IO]
-        for it, sample in zip(tensors, incremental.samples([it.source for it in tensors]), strict=True):
-            it.sample = sample
+        for it in tensors:
+            it.sample = sample_digest(it.source)
         references = incremental.unchanged(
             [(it.write_item, it.source) for it in resolved], [it.sample for it in resolved]
         )

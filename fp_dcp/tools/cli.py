@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="list the steps of a run (a CheckpointManager root)",
         description="List the step-N checkpoints under a run's root: step, status (complete, verified, incomplete, "
-        "corrupt), size, when it was published, and what is wrong with it. Exits 1 if a step is corrupt.",
+        "corrupt, retired), size, bytes its save wrote, when it was published, the steps whose files it references "
+        "(incremental runs), and what is wrong with it. Exits 1 if a step is corrupt.",
     )
     p.add_argument("root", help="the run's root directory")
     p.add_argument("--verify", action="store_true", help="check every checksum of every step (reads all data)")
