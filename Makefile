@@ -30,12 +30,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: the CPU wheel of 2.13.0 is on these machines' disk; an unpinned
-# torch in an empty venv would download a multi-GB CUDA build.
+# torch in an empty venv would download a multi-GB CUDA build. s3fs is pinned beside the
+# frameworks: the datasets release they pull in caps fsspec, and each s3fs pins its fsspec exactly.
 $(STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test,dev]'
-	$(PY) -m pip install -q lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 torchtune==0.6.1 torchao==0.15.0 || echo "warning: framework packages not installed: tests/test_frameworks.py will skip" >&2
+	$(PY) -m pip install -q lightning==2.6.6 accelerate==1.15.0 torchtitan==0.3.0 torchtune==0.6.1 torchao==0.15.0 s3fs==2026.2.0 || echo "warning: framework packages not installed: tests/test_frameworks.py will skip" >&2
 	touch $@
 
 build: system-deps $(STAMP)

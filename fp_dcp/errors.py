@@ -12,11 +12,13 @@ __all__ = [
     "NotACheckpointError",
     "IncompatibleCheckpointError",
     "CorruptCheckpointError",
+    "DataDirectoryNotFoundError",
     "CheckpointExistsError",
     "CheckpointBusyError",
     "CheckpointReplacedError",
     "UnsupportedTensorError",
     "SaveCancelledError",
+    "DurableStorageError",
 ]
 
 
@@ -34,6 +36,15 @@ class IncompatibleCheckpointError(CheckpointError, ValueError):
 
 class CorruptCheckpointError(CheckpointError, ValueError):
     """Stored bytes disagree with their checksum, or a file is short or missing."""
+
+
+class DataDirectoryNotFoundError(CheckpointError, FileNotFoundError):
+    """A data directory recorded as a relative path (by an older fp-dcp) is nowhere near the checkpoint.
+
+    Not damage: the files may be intact where the save's working directory put
+    them, which the checkpoint does not say. Passing ``data_dirs=`` to the
+    reader finds them.
+    """
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -54,3 +65,7 @@ class UnsupportedTensorError(CheckpointError, TypeError):
 
 class SaveCancelledError(CheckpointError):
     """The save was stopped by ``FastPersistWriter.cancel()``; nothing of it was published."""
+
+
+class DurableStorageError(CheckpointError, OSError):
+    """A step could not be copied to durable storage (after retries); the local and peer copies are unaffected."""

@@ -56,6 +56,7 @@ FORMAT_NAME = "fp-dcp"
 FORMAT_VERSION = 3
 REFERENCES_VERSION = 3  # the first version with file entries owned by another checkpoint
 METADATA_NAME = ".metadata"
+RETIRED_NAME = ".retired"  # in a step directory: not a checkpoint (any more), kept for files newer steps use
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
 TRAILER_SIZE = _TRAILER.size

@@ -46,7 +46,7 @@ from ..io.progress import Progress, ProgressCallback
 from ..units import PAGE, MiB, align_up
 from .pipeline import Catalog
 
-__all__ = ["VerifyReport", "verify_checkpoint"]
+__all__ = ["VerifyReport", "verify_checkpoint", "StreamCheck", "items_by_file"]
 
 # Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
 _READ = 16 * MiB
@@ -276,6 +276,56 @@ def _verify_file(
         f.close()
     problems += filter(None, (segment.problem(path) for segment in segments))
     return nbytes
+
+
+def items_by_file(checkpoint: Checkpoint) -> dict[str, list[_Item]]:
+    """Every data file the checkpoint lists, with the items it stores in it (by its metadata)."""
+    by_file: dict[str, list[_Item]] = {name: [] for name in checkpoint.files}
+    for index, value in checkpoint.metadata.storage_data.items():
+        loc = ItemLocation._make(value)
+        by_file.setdefault(loc.file, []).append((index, loc))
+    return by_file
+
+
+class StreamCheck:
+    """Checks one data file's bytes as they pass by in order: a transfer or a read-back, not a file on disk.
+
+    ``whole``: the file is this checkpoint's own, so its size must be exact and
+    the bytes around the items zeros (as ``verify_checkpoint`` checks); a file
+    it references in an earlier checkpoint holds that one's items too, so only
+    the referenced items are checked and the file may be longer than they reach.
+    """
+
+    def __init__(self, name: str, size: int, items: list[_Item], whole: bool) -> None:
+        self.name, self.size, self.whole = name, size, whole
+        self._problems: list[str] = []
+        self._segments, _ = _segments(name, size, items, whole, self._problems)
+        self._next = 0  # the first segment not yet wholly fed
+        self.received = 0
+
+    def feed(self, data: memoryview | bytes) -> None:
+        """The next ``len(data)`` bytes of the file."""
+        view = memoryview(data).cast("B")
+        start, stop = self.received, self.received + len(view)
+        self.received = stop
+        k = self._next
+        while k < len(self._segments) and self._segments[k].start < stop:
+            segment = self._segments[k]
+            lo, hi = max(segment.start, start), min(segment.stop, stop)
+            if lo < hi:
+                segment.feed(view[lo - start : hi - start], lo)
+            if segment.stop > stop:
+                break
+            k += 1
+        self._next = k
+
+    def problems(self, where: str) -> list[str]:
+        """What is wrong with the bytes fed so far, as the whole file (``where`` names it in the lines)."""
+        problems = list(self._problems)
+        if self.received < self.size or (self.whole and self.received > self.size):
+            problems.append(f"data file {where} is {self.received} bytes, written as {self.size}")
+        problems += filter(None, (segment.problem(where) for segment in self._segments))
+        return problems
 
 
 def _holds(items: list[_Item]) -> str:

@@ -123,11 +123,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(s) for s in steps], indent=2))
     else:
         header = f"{'step':>10}  {'status':<10}  {'size':>10}  {'written':>10}  {'published (UTC)':<19}  references"
-        print(f"{header:<89}  problem")
+        print(f"{header:<89}  {'copies':<20}  problem")
         for s in steps:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(s.published)) if s.published else "-"
             line = f"{s.step:>10}  {s.status:<10}  {human(s.bytes):>10}  {human(s.written):>10}  {when:<19}"
-            print(f"{line}  {' '.join(s.references) or '-':<20}  {s.problem}".rstrip())
+            copies = ",".join(s.copies) or "-"
+            print(f"{line}  {' '.join(s.references) or '-':<20}  {copies:<20}  {s.problem}".rstrip())
         print(f"{args.root}: {plural(len(steps), 'step')}")
     return 0 if all(s.status != "corrupt" for s in steps) else 1
 
@@ -292,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Save a synthetic state dict into DIR again and again, sweeping queue_depth, block_size, "
         "lanes_per_dir and buffer_size one at a time, and print the best IOConfig to paste. Bounded by --budget.",
     )
-    p.add_argument("dir", help="directory on the disk checkpoints will be written to")
+    p.add_argument("dir", help="directory on the disk checkpoints will be written to (created if missing)")
     p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole sweep (default 60)")
     p.add_argument("--size-mb", type=float, default=512, help="synthetic state dict size in MiB (default 512)")
     p.add_argument("--repeats", type=int, default=3, help="rounds per setting (default 3)")

@@ -1,0 +1,158 @@
+"""A step's files as the tiers name them: ``step-N/<file>``, the same under every root.
+
+Every tier (a node's local root, a peer's replicas, the durable root) keeps
+a run's layout: ``step-N/`` holds the data files step N's save wrote and its
+``.metadata``. A file an incremental step references stays in the directory
+of the step that wrote it (``step-K/<file>``), so one key names a file in
+every tier, and the references inside ``.metadata`` resolve in each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import secrets
+from typing import Any
+
+from ..checkpoint import Checkpoint, open_checkpoint
+from ..format import METADATA_NAME, RETIRED_NAME, decode_footer, parse_data_file_name
+from ..io.files import replace_durably
+from ..load.verify import StreamCheck, items_by_file
+
+__all__ = [
+    "StepLayout",
+    "step_name",
+    "parse_step_name",
+    "publish_metadata",
+    "files_in_metadata",
+    "mark_referenced",
+    "mark_node",
+    "NODE_MARKER",
+]
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """N of ``step-N``, else None."""
+    number = name.removeprefix("step-")
+    return int(number) if name.startswith("step-") and number.isdigit() else None
+
+
+def files_in_metadata(step: str, data: bytes) -> dict[str, int]:
+    """{key: size} of every data file the ``.metadata`` bytes of step directory ``step`` list (the footer alone).
+
+    CorruptCheckpointError if the footer is damaged.
+    """
+    footer = decode_footer(data, f"{step}/{METADATA_NAME}")
+    files = {}
+    for name, entry in footer["files"].items():
+        owner = os.path.basename(os.path.normpath(os.path.join(step, entry.get("owner", "."))))
+        files[f"{owner}/{name}"] = int(entry["size"])
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """The files one published step needs, by key, opened from a copy of its ``.metadata``."""
+
+    checkpoint: Checkpoint
+
+    @classmethod
+    def open(cls, directory: str) -> StepLayout:
+        return cls(open_checkpoint(directory))
+
+    def key(self, name: str) -> str:
+        owner = self.checkpoint.owners.get(name, self.checkpoint.path)
+        return f"{os.path.basename(os.path.normpath(owner))}/{name}"
+
+    def files(self) -> dict[str, int]:
+        """{key: size} of every data file the step loads from, its own and those it references."""
+        return {self.key(name): size for name, size in self.checkpoint.file_sizes.items()}
+
+    def own(self) -> list[str]:
+        """The keys of the files this step's save wrote."""
+        return [self.key(name) for name in self.checkpoint.own_files()]
+
+    def writer(self, key: str) -> int | None:
+        """The rank that wrote the file (from its name)."""
+        parsed = parse_data_file_name(os.path.basename(key))
+        return parsed[0] if parsed else None
+
+    @functools.cached_property
+    def _items(self) -> dict[str, list[Any]]:
+        return items_by_file(self.checkpoint)
+
+    def check(self, key: str) -> StreamCheck:
+        """A fresh check of the file's bytes against this step's checksums."""
+        name = os.path.basename(key)
+        items = self._items.get(name, [])
+        whole = name not in self.checkpoint.owners
+        return StreamCheck(name, self.checkpoint.file_sizes[name], items, whole)
+
+
+def mark_referenced(directory: str, name: str) -> None:
+    """Record that ``directory`` (an earlier step without its own ``.metadata`` here) keeps file ``name``.
+
+    Such a directory is a retired step (``.retired`` lists the files it
+    keeps): never a checkpoint itself, kept while newer steps reference it.
+    """
+    if os.path.exists(os.path.join(directory, METADATA_NAME)):
+        return  # a published step: its own metadata lists its files
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, RETIRED_NAME)
+    listed: set[str] = set()
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(marker) as f:
+            listed = set(json.load(f)["files"])
+    if name in listed:
+        return
+    text = json.dumps({"files": sorted(listed | {name})})
+
+    def write(tmp: str) -> None:
+        with open(tmp, "x") as f:
+            f.write(text)
+
+    replace_durably(marker, f"{marker}.{secrets.token_hex(4)}.tmp", write)
+
+
+NODE_MARKER = ".node"  # in a node's directory of a step: the node's name (that copy may hold only its files)
+
+
+def mark_node(directory: str, node: str) -> None:
+    """Record that ``directory`` is ``node``'s copy of a step (``fp-dcp ls`` then calls missing files partial)."""
+    marker = os.path.join(directory, NODE_MARKER)
+    with contextlib.suppress(FileNotFoundError):
+        with open(marker) as f:
+            if f.read() == node:
+                return
+
+    def write(tmp: str) -> None:
+        with open(tmp, "x") as f:
+            f.write(node)
+
+    replace_durably(marker, f"{marker}.{secrets.token_hex(4)}.tmp", write)
+
+
+def publish_metadata(directory: str, data: bytes) -> None:
+    """Make ``data`` the ``.metadata`` of ``directory`` (a copy from another node or tier), atomically.
+
+    Nothing is written when an identical copy is already there.
+    """
+    target = os.path.join(directory, METADATA_NAME)
+    with contextlib.suppress(FileNotFoundError):
+        with open(target, "rb") as f:
+            if f.read() == data:
+                return
+    os.makedirs(directory, exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "xb") as f:
+            f.write(data)
+
+    replace_durably(target, f"{target}.{secrets.token_hex(4)}.tmp", write)

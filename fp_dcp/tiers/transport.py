@@ -1,0 +1,218 @@
+"""Moving checkpoint files from one rank to another over a process group, with bounded memory.
+
+One mechanism serves every tier: replication (a rank's new files to its
+peers), restore (what a node lacks, from a node that has it). A transfer
+list is the same on every rank; each rank walks it in order, taking part in
+the transfers that name it. Since a pair meets at the first transfer either
+still has to do, the walk cannot deadlock, and each pair's messages arrive in
+order.
+
+Per transfer the sender sends a header (how many bytes follow, or that it
+cannot read the file) and then the file in chunks of ``chunk`` bytes from two
+reused buffers, reading one while the other is on the wire; the receiver
+likewise receives one chunk while writing the previous one into its sink.
+Memory: four chunks per rank, whatever the files' sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
+
+import torch
+
+from ..io.files import fsync_directory, fsync_path
+from ..load.verify import StreamCheck
+from ..units import MiB
+from .group import Group
+
+__all__ = ["Transfer", "FileSink", "Transport", "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 8 * MiB
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Transfer:
+    """``key`` (a file's path relative to a tier's root, ``step-N/name``) from rank ``src`` to rank ``dst``."""
+
+    key: str
+    src: int
+    dst: int
+    size: int  # the bytes of the file that the checkpoint lists (a longer file sends only these)
+
+
+class FileSink:
+    """Receives one file into ``path``: under a temporary name, checked, then renamed into place.
+
+    Only a file whose bytes passed ``check`` (every item's CRC-32C, its size)
+    ever appears under its own name, and it is fsynced with its directory
+    first: a copy cut short, or damaged on the way, leaves nothing behind but
+    a temporary name that ``remove_partials`` clears.
+    """
+
+    PART = ".part"
+
+    def __init__(self, path: str, check: StreamCheck) -> None:
+        self.path = path
+        self.check = check
+        self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}{self.PART}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._file: BinaryIO | None = open(self.tmp, "xb")
+
+    def write(self, data: memoryview) -> None:
+        assert self._file is not None
+        self.check.feed(data)
+        self._file.write(data)
+
+    def abort(self) -> None:
+        """Remove the temporary file: the copy will not be published."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+    def done(self, where: str) -> list[str]:
+        """Publish the file if it arrived whole and intact; else remove it. Returns the problems found."""
+        problems = self.check.problems(where)
+        try:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if not problems:
+                fsync_path(self.tmp)
+                os.replace(self.tmp, self.path)
+                fsync_directory(os.path.dirname(self.path))
+        except OSError as e:
+            problems.append(f"cannot store {self.path}: {e}")
+        if problems:
+            self.abort()
+        return problems
+
+
+def remove_partials(directory: str) -> None:
+    """Remove the temporary files of transfers that were cut short (a killed rank) under ``directory``."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            if name.startswith(".") and name.endswith(FileSink.PART):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(parent, name))
+
+
+class Transport:
+    """File transfers between the ranks of ``group``."""
+
+    def __init__(self, group: Group, chunk: int = DEFAULT_CHUNK) -> None:
+        self.group = group
+        self.chunk = chunk
+        self._buffers: list[torch.Tensor] = []
+        self.sent = 0  # bytes, since this transport was made
+        self.received = 0
+
+    def run(
+        self,
+        transfers: Sequence[Transfer],
+        source: Callable[[Transfer], str],
+        sink: Callable[[Transfer], FileSink],
+    ) -> dict[Transfer, list[str]]:
+        """Do this rank's part of ``transfers``, in their order.
+
+        ``source(t)`` is the path this rank sends ``t`` from; ``sink(t)`` where
+        it receives ``t``. Returns, for each transfer this rank received, the
+        problems with it ([] when it arrived intact and is in place).
+        """
+        outcome: dict[Transfer, list[str]] = {}
+        for t in transfers:
+            if t.src == t.dst:
+                raise ValueError(f"transfer of {t.key} from rank {t.src} to itself")
+            if t.src == self.group.rank:
+                self._send(t, source(t))
+            elif t.dst == self.group.rank:
+                outcome[t] = self._receive(t, sink)
+        return outcome
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        while len(self._buffers) <= k:
+            self._buffers.append(torch.empty(self.chunk, dtype=torch.uint8))
+        return self._buffers[k]
+
+    def _send(self, t: Transfer, path: str) -> None:
+        f: io.BufferedReader | None = None
+        try:
+            f = open(path, "rb")
+            readable = os.fstat(f.fileno()).st_size >= t.size
+        except OSError:
+            readable = False
+        try:
+            header = torch.tensor([t.size if readable else -1], dtype=torch.int64)
+            self.group.send(header, t.dst).wait()
+            if not readable:
+                return
+            assert f is not None
+            pending: list[object] = [None, None]
+            sent = 0
+            k = 0
+            while sent < t.size:
+                n = min(self.chunk, t.size - sent)
+                work = pending[k % 2]
+                if work is not None:
+                    work.wait()  # type: ignore[attr-defined]
+                buf = self._buffer(k % 2)
+                view = buf.numpy().data[:n]
+                got = 0
+                with contextlib.suppress(OSError):
+                    while got < n:
+                        r = f.readinto(view[got:])
+                        if not r:
+                            break
+                        got += r
+                if got < n:
+                    buf[got:n] = 0  # a read error now: the receiver's checks fail on these bytes
+                pending[k % 2] = self.group.send(buf[:n], t.dst)
+                sent += n
+                k += 1
+            for work in pending:
+                if work is not None:
+                    work.wait()  # type: ignore[attr-defined]
+            self.sent += t.size
+        finally:
+            if f is not None:
+                f.close()
+
+    def _receive(self, t: Transfer, sink: Callable[[Transfer], FileSink]) -> list[str]:
+        header = torch.empty(1, dtype=torch.int64)
+        self.group.irecv(header, t.src).wait()
+        size = int(header[0])
+        if size < 0:
+            return [f"rank {t.src} could not read its copy of {t.key}"]
+        target: FileSink | None = None
+        problems: list[str] = []
+        try:
+            target = sink(t)
+        except OSError as e:
+            problems.append(f"cannot create the copy of {t.key}: {e}")
+        chunks = [(start, min(self.chunk, size - start)) for start in range(0, size, self.chunk)]
+        pending = self.group.irecv(self._buffer(2)[: chunks[0][1]], t.src) if chunks else None
+        for k, (_, n) in enumerate(chunks):
+            assert pending is not None
+            pending.wait()
+            buf = self._buffer(2 + k % 2)[:n]
+            if k + 1 < len(chunks):  # the next chunk arrives while this one is written
+                pending = self.group.irecv(self._buffer(2 + (k + 1) % 2)[: chunks[k + 1][1]], t.src)
+            if target is not None and not problems:
+                try:
+                    target.write(buf.numpy().data)
+                except OSError as e:  # keep receiving: the sender's messages must all be taken
+                    problems.append(f"cannot write the copy of {t.key}: {e}")
+        self.received += size
+        if target is None:
+            return problems
+        if problems:
+            target.abort()
+            return problems
+        return target.done(f"{t.key} (from rank {t.src})")

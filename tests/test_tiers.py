@@ -1,0 +1,146 @@
+"""Checkpoint tiers on 4 gloo ranks as 2 nodes: peer replicas, the durable drain (POSIX and S3), restore across them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from dist_util import run_ranks
+from tiers_util import (
+    EnvRank,
+    data_files,
+    drop_node,
+    flip_byte,
+    incremental_restore,
+    incremental_run,
+    local_root,
+    restore,
+    same_state,
+    save_steps,
+    seaweedfs,
+    slow_drain_run,
+)
+
+from fp_dcp import list_steps
+
+WORLD = 4
+
+
+def check_restored(results, step: int) -> None:
+    for rank, (got, state) in enumerate(results):
+        assert got == step, f"rank {rank} restored step {got}, not {step}"
+        assert same_state(state, step, rank), f"rank {rank}: step {step} restored with other bytes"
+
+
+def test_a_lost_node_restores_bit_exact_from_its_replicas(tmp_path):
+    tmp = str(tmp_path)
+    done = run_ranks(WORLD, save_steps, tmp, [1, 2], {"replicas": 2, "keep_last": 2})
+    assert all(d["replication"] == [] for d in done), done
+    for node in "ab":
+        steps = list_steps(local_root(tmp, node))
+        assert [(s.step, s.status, s.copies) for s in steps] == [(n, "complete", ("replicated",)) for n in (1, 2)]
+    # node a holds node b's files too (its replicas), and the other way round
+    assert data_files(os.path.join(local_root(tmp, "a"), "step-2"), (2, 3))
+    assert data_files(os.path.join(local_root(tmp, "b"), "step-2"), (0, 1))
+    drop_node(tmp, "b")
+    check_restored(run_ranks(WORLD, restore, tmp, {"replicas": 2}), 2)
+    # the restore put node b's files back on its own disk
+    assert data_files(os.path.join(local_root(tmp, "b"), "step-2"), (2, 3))
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 server (SeaweedFS) on 127.0.0.1 for this module's tests, and the client environment for it."""
+    with seaweedfs() as env:
+        yield env
+
+
+@pytest.mark.parametrize("kind", ["posix", "s3"])
+def test_b_every_local_root_lost_restores_bit_exact_from_durable(tmp_path, kind, request):
+    tmp = str(tmp_path)
+    env = request.getfixturevalue("s3") if kind == "s3" else {}
+    durable = f"s3://fp-dcp/{tmp_path.name}" if kind == "s3" else os.path.join(tmp, "durable")
+    options = {"replicas": 2, "durable": durable, "keep_durable": 2}
+    done = run_ranks(WORLD, EnvRank(env, save_steps), tmp, [1, 2, 3], options)
+    assert all(d["error"] is None for d in done), done
+    for node in "ab":
+        assert [s.copies for s in list_steps(local_root(tmp, node))][-1] == ("replicated", "durable")
+        drop_node(tmp, node)
+    check_restored(run_ranks(WORLD, EnvRank(env, restore), tmp, options), 3)
+    if kind == "posix":
+        # the last step is drained before close() returns (here step 2's drain came due while step 1's ran,
+        # and waited); keep_durable=2; every directory left is a committed step, without temporary files
+        kept = sorted(os.listdir(durable))
+        assert "step-3" in kept and len(kept) <= 2, kept
+        for step in kept:
+            names = os.listdir(os.path.join(durable, step))
+            assert ".metadata" in names and not [n for n in names if n.endswith(".part")], names
+
+
+def test_c_a_damaged_replica_is_caught_and_the_durable_copy_used(tmp_path, caplog):
+    tmp = str(tmp_path)
+    durable = os.path.join(tmp, "durable")
+    options = {"replicas": 2, "durable": durable}
+    run_ranks(WORLD, save_steps, tmp, [1], options)
+    replicas = data_files(os.path.join(local_root(tmp, "a"), "step-1"), (2, 3))  # node b's files, kept on node a
+    assert replicas
+    for path in replicas:
+        flip_byte(path)
+    drop_node(tmp, "b")
+    results = run_ranks(WORLD, restore, tmp, options)
+    check_restored(results, 1)
+
+
+def test_c_a_damaged_durable_object_is_caught_and_an_older_intact_step_restored(tmp_path):
+    tmp = str(tmp_path)
+    durable = os.path.join(tmp, "durable")
+    options = {"durable": durable, "keep_durable": 2, "durable_every_n_steps": 1}
+    for step in (1, 2):  # one manager per step: each drains its first step
+        run_ranks(WORLD, save_steps, tmp, [step], options)
+    # without replicas each node's directory of a step holds its own ranks' files: partial, not corrupt
+    assert {(s.step, s.status, s.copies) for s in list_steps(local_root(tmp, "b"))} == {
+        (1, "partial", ("durable",)),
+        (2, "partial", ("durable",)),
+    }
+    drop_node(tmp, "a")
+    drop_node(tmp, "b")
+    flip_byte(data_files(os.path.join(durable, "step-2"), (2,))[0])
+    check_restored(run_ranks(WORLD, restore, tmp, options), 1)
+
+
+def test_c_a_damaged_copy_on_a_nodes_own_disk_is_fetched_again_from_its_replica(tmp_path):
+    tmp = str(tmp_path)
+    options = {"replicas": 2}
+    run_ranks(WORLD, save_steps, tmp, [1], options)
+    for path in data_files(os.path.join(local_root(tmp, "b"), "step-1"), (2, 3)):  # node b's own files
+        flip_byte(path)
+    check_restored(run_ranks(WORLD, restore, tmp, options), 1)
+
+
+def test_e_a_slow_drain_with_keep_last_1_never_removes_the_newest_durable_step(tmp_path):
+    tmp = str(tmp_path)
+    seen = run_ranks(WORLD, slow_drain_run, tmp, 6)[0]
+    first = next(i for i, steps in enumerate(seen) if steps)
+    newest = [max(steps) if steps else None for steps in seen[first:]]
+    assert None not in newest, "the durable root held no committed step for a moment"
+    assert newest == sorted(newest), f"the newest durable step went backwards: {newest}"
+    assert seen[-1] == [6], seen[-1]  # the last step is drained before close() returns; keep_durable=1
+    assert [s.step for s in list_steps(local_root(tmp, "a"))] == [6]  # keep_last=1 once the drains were done
+    drop_node(tmp, "a")
+    drop_node(tmp, "b")
+    check_restored(run_ranks(WORLD, restore, tmp, {"durable": os.path.join(tmp, "durable")}), 6)
+
+
+def test_f_an_incremental_run_drains_only_the_files_that_changed(tmp_path):
+    tmp = str(tmp_path)
+    runs = run_ranks(WORLD, incremental_run, tmp)
+    for (_, up1, skip1), (files2, up2, skip2) in runs:
+        assert skip1 == 0 and up1 > 1 << 20, runs  # step 1: everything, each rank uploading the file it wrote
+        assert files2 == 1 and skip2 == WORLD, runs  # step 2 references each rank's step-1 file, uploaded before
+        assert up2 < 64 * 1024, runs  # only the changed 4 KB tensors (one file per rank), not the frozen MiB
+    durable = os.path.join(tmp, "durable")
+    assert sorted(os.listdir(durable)) == ["step-1", "step-2"]
+    assert sum(os.path.getsize(p) for p in data_files(os.path.join(durable, "step-2"), (0, 1, 2, 3))) < 256 * 1024
+    drop_node(tmp, "a")
+    drop_node(tmp, "b")
+    assert run_ranks(WORLD, incremental_restore, tmp) == [(2, True)] * WORLD
