@@ -18,11 +18,21 @@ are tried in this order:
    as it was at save time (``storage_meta.checkpoint_id``), applied to the
    checkpoint's path now: a tree copied or mounted elsewhere as a whole;
 3. the save-time data directory itself;
-4. the checkpoint directory (data files gathered beside ``.metadata``), and
+4. for a data directory recorded as a relative path (fp-dcp records them
+   absolute; older versions recorded them as given, relative to the saving
+   process's working directory, which is not recorded): that path under the
+   checkpoint directory and under each directory above it, now and at save
+   time, nearest first, since that working directory was most likely one of
+   them;
+5. the checkpoint directory (data files gathered beside ``.metadata``), and
    its ``<data_subdir>`` subdirectory.
 
-The first that holds the file wins; if none does, the path of rule 2 is
-given, and reading it reports the missing file with the items it holds.
+The first that holds the file wins; if none does, the first path of rules 2
+and 3 is given, and reading it reports the missing file with the items it
+holds. For a relative data directory, the path given is the file in the
+first directory of rules 3 and 4 whose ``<data_subdir>`` exists; if none
+does, ``DataDirectoryNotFoundError`` is raised instead: the data directory
+was not found, which says nothing of whether its files are intact.
 
 A file an incremental save referenced (its footer entry has an ``owner``)
 is looked for by the same rules, with the owner's directory (the entry's
@@ -42,7 +52,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from . import _cio
 from .compat import is_item_location, item_fields
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
+from .errors import (
+    CorruptCheckpointError,
+    DataDirectoryNotFoundError,
+    IncompatibleCheckpointError,
+    NotACheckpointError,
+)
 from .format import (
     METADATA_NAME,
     TRAILER_SIZE,
@@ -215,17 +230,47 @@ def _locate(
         elif given:
             paths[name] = _given(directory, given, index, subdir, name, recorded)
         else:
-            candidates = []
-            if os.path.isabs(saved_at) and os.path.isabs(recorded[index]):
-                moved = os.path.join(directory, os.path.relpath(recorded[index], saved_at))
-                candidates.append(os.path.join(os.path.normpath(moved), subdir, name))
-            candidates += [
-                os.path.join(recorded[index], subdir, name),
-                os.path.join(home, name),
-                os.path.join(home, subdir, name),
-            ]
-            paths[name] = next((c for c in candidates if os.path.exists(c)), candidates[0])
+            paths[name] = _found(directory, home, recorded, index, saved_at, subdir, name)
     return paths
+
+
+def _found(directory: str, home: str, recorded: list[str], index: int, saved_at: str, subdir: str, name: str) -> str:
+    """Where data file ``name`` of ``recorded[index]`` is now, by rules 2 to 5 of the module doc."""
+    data_dir = recorded[index]
+    relative = not os.path.isabs(data_dir)
+    roots = []  # where the data directory may be now, most likely first
+    if os.path.isabs(saved_at) and not relative:
+        roots.append(os.path.normpath(os.path.join(directory, os.path.relpath(data_dir, saved_at))))
+    roots.append(data_dir)
+    if relative:
+        roots += [os.path.join(above, data_dir) for above in _directories_above(directory, saved_at)]
+    in_roots = [os.path.join(root, subdir, name) for root in roots]
+    candidates = [*in_roots, os.path.join(home, name), os.path.join(home, subdir, name)]
+    found = next((c for c in candidates if os.path.exists(c)), None)
+    if found is not None:
+        return found
+    if not relative:
+        return in_roots[0]  # reading it reports the file missing, with the items it holds
+    present = next((path for path in in_roots if os.path.isdir(os.path.dirname(path))), None)
+    if present is not None:
+        return present  # the data directory is there, the file is not: reading it reports it missing
+    raise DataDirectoryNotFoundError(
+        f"cannot find data file {name} of {directory}: its data directory (data_dirs[{index}]) was recorded "
+        f"as relative path {data_dir!r}, relative to the working directory of the save, which the checkpoint "
+        f"does not record, and {os.path.join(data_dir, subdir)} is not under the checkpoint or a directory "
+        "above it; pass data_dirs= to the reader (--data-dir to fp-dcp) with where it is"
+    )
+
+
+def _directories_above(directory: str, saved_at: str) -> list[str]:
+    """The checkpoint directory and every directory above it, now and (if recorded absolute) at save time."""
+    starts = [os.path.abspath(directory)] + ([os.path.normpath(saved_at)] if os.path.isabs(saved_at) else [])
+    chain: dict[str, None] = {}  # ordered, without repeats
+    for path in starts:
+        while path not in chain:
+            chain[path] = None
+            path = os.path.dirname(path)
+    return list(chain)
 
 
 def _given(directory: str, given: list[str], index: int, subdir: str, name: str, recorded: list[str]) -> str:

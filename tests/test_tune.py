@@ -94,6 +94,22 @@ def test_cli_prints_a_line_to_paste(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_missing_directory_is_created(tmp_path):
+    directory = tmp_path / "new" / "disk"
+    result = tune.tune(directory, budget_s=0.0, size_bytes=1 * MiB)
+    assert result.directory == str(directory)
+    assert directory.is_dir() and list(directory.iterdir()) == []
+
+
+def test_cli_says_when_the_directory_cannot_be_created(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    directory = tmp_path / "file" / "disk"  # under a regular file: never creatable
+    assert main(["tune", str(directory), "--budget", "0", "--size-mb", "1"]) == 1
+    error = capsys.readouterr().err
+    assert f"cannot tune {directory}: no such directory, and it cannot be created (Not a directory)" in error
+    assert ".fp-dcp-tune-" not in error
+
+
 def test_setting_replaces_one_field():
     base = tune.Setting(IOConfig())
     assert base.with_value("queue_depth", 2).config == dataclasses.replace(IOConfig(), queue_depth=2)

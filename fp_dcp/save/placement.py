@@ -9,7 +9,9 @@ files. Each rank writes ``lanes_per_dir`` files into every directory, file
 ``k`` into directory ``k % len(dirs)``; ``.metadata`` always stays in the
 checkpoint directory and its footer records each file's directory index and
 the subdirectory name, so a reader finds them (``fp_dcp.checkpoint``, also
-after the checkpoint has moved).
+after the checkpoint has moved). The footer records the data directories as
+absolute paths: a relative one means nothing without the saving process's
+working directory, which a reader does not know.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "data_directories"]
 
 
 def _subdir(checkpoint: str) -> str:
     real = os.path.realpath(checkpoint)
     return f"{os.path.basename(real) or 'checkpoint'}-{hashlib.sha1(real.encode()).hexdigest()[:8]}"
+
+
+def data_directories(data_dirs: Sequence[str | os.PathLike[str]] | None) -> list[str]:
+    """``data_dirs`` as absolute paths (relative ones from the working directory now), refusing one given twice."""
+    directories = [os.path.abspath(d) for d in data_dirs or ()]
+    if len(set(directories)) != len(directories):
+        raise ValueError(f"data_dirs lists a directory twice: {directories}")
+    return directories
 
 
 class Placement:
@@ -35,9 +45,7 @@ class Placement:
     ) -> None:
         if lanes_per_dir < 1:
             raise ValueError(f"lanes_per_dir must be at least 1, got {lanes_per_dir}")
-        self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
-        if len(set(self.data_dirs)) != len(self.data_dirs):
-            raise ValueError(f"data_dirs lists a directory twice: {self.data_dirs}")
+        self.data_dirs = data_directories(data_dirs)
         self.subdir = _subdir(checkpoint) if self.data_dirs else None
         self.directories = [os.path.join(d, self.subdir) for d in self.data_dirs] if self.subdir else [checkpoint]
         self.files_per_rank = len(self.directories) * lanes_per_dir

@@ -33,7 +33,7 @@ from .checkpoint_path import checkpoint_directory
 from .controls import SaveControls
 from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
-from .placement import Placement
+from .placement import Placement, data_directories
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
 
@@ -122,7 +122,7 @@ class FastPersistWriter(StorageWriter):
             the save fail before anything is written.
         data_dirs: directories on separate devices to spread the data files
             over (see ``fp_dcp.save.placement``); ``.metadata`` stays in ``path``.
-            Default: everything in ``path``.
+            Resolved to absolute paths here (relative to the current directory). Default: all in ``path``.
         lanes_per_dir: data files each rank writes into each directory, all
             written at the same time (more lanes keep more requests in flight
             per device on striped or networked filesystems).
@@ -187,7 +187,7 @@ class FastPersistWriter(StorageWriter):
         self._default_path = checkpoint_directory(path) if path is not None else None
         self._path = self._default_path
         self.overwrite = overwrite
-        self.data_dirs = [os.fspath(d) for d in data_dirs] if data_dirs else []
+        self.data_dirs = data_directories(data_dirs)  # resolved now: a later chdir changes nothing
         self.lanes_per_dir = lanes_per_dir
         self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir)  # checks the arguments
         self.config = config if config is not None else IOConfig()

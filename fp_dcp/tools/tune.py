@@ -162,7 +162,8 @@ def tune(
     """Sweep the I/O settings on ``directory`` within ``budget_s`` seconds and return the best.
 
     Args:
-        directory: where checkpoints will be written (a scratch directory is
+        directory: where checkpoints will be written (created if missing, as
+            the writer creates a checkpoint's directory; a scratch directory is
             made in it and removed afterwards; it needs room for twice
             ``size_bytes``).
         budget_s: wall-clock bound of the whole sweep, state creation included.
@@ -175,6 +176,12 @@ def tune(
     start = time.perf_counter()
     deadline = start + budget_s
     directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)  # before the state: a bad path fails at once
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot tune {directory}: no such directory, and it cannot be created ({e.strerror})"
+        ) from None
     state = synthetic_state(size_bytes)
     state_bytes = sum(t.nbytes for t in state.values())
     baseline = Setting(base if base is not None else IOConfig())

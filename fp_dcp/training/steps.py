@@ -20,7 +20,7 @@ import re
 from typing import Literal
 
 from ..checkpoint import open_checkpoint
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DataDirectoryNotFoundError
 from ..format import METADATA_NAME, RETIRED_NAME
 from ..load.verify import verify_checkpoint
 from ..tiers import DURABLE_NAME, NODE_MARKER, REPLICATED_NAME
@@ -95,6 +95,8 @@ def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
     published = os.stat(metadata).st_mtime
     try:
         checkpoint = open_checkpoint(path)
+    except DataDirectoryNotFoundError:
+        raise  # where the files are depends on where the reader stands: not damage, and not for an older step
     except (CheckpointError, OSError) as e:
         size = _size(path)
         return StepInfo(step, path, "corrupt", size, published, str(e), size)
