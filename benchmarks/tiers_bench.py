@@ -63,9 +63,9 @@ def transport(rank: int, world: int, tmp: str, mib: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from fp_dcp.checkpoint import open_checkpoint
-    from fp_dcp.tiers.group import Group
+    from fp_dcp.net.group import Group
     from fp_dcp.tiers.layout import StepLayout
-    from fp_dcp.tiers.transport import FileSink, Transfer, Transport
+    from fp_dcp.net.transport import FileSink, Transfer, Transport
 
     size = 4 * mib * MiB
     source = os.path.join(tmp, "src", "step-1")

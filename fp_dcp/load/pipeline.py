@@ -13,6 +13,7 @@ as soon as their last bytes are in.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -155,6 +156,27 @@ def _finish(item: _Item, planner: LoadPlanner) -> None:
         planner.commit_tensor(item.req, item.sink.commit())
 
 
+def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview) -> int:
+    """Complete ``req`` from ``data``, the whole stored item (another rank read it), checking its CRC-32C first.
+
+    Returns the bytes of the region ``req`` asks for.
+    """
+    loc = catalog.location(req)
+    item = _Item(req, loc)
+    crc = _cio.crc32c(data)
+    if len(data) != loc.length or crc != loc.crc32c:
+        raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
+    _prepare(item, planner, catalog, verify=False)
+    if item.total:
+        memory = _sink_memory(item)
+        at = 0
+        for start, length in item.runs:
+            memory[at : at + length] = data[start : start + length]
+            at += length
+    _finish(item, planner)
+    return item.total
+
+
 def _sink_memory(item: _Item) -> memoryview:
     sink = item.sink
     return sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
@@ -208,6 +230,15 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
     return files
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadCounts:
+    """What one ``read_items`` call read: bytes from the files, the bytes needed, and requests issued."""
+
+    read: int
+    needed: int
+    requests: int
+
+
 def read_items(
     requests: list[ReadItem],
     planner: LoadPlanner,
@@ -216,8 +247,12 @@ def read_items(
     pool: BufferPool,
     config: IOConfig,
     verify: bool,
-) -> tuple[int, int]:
-    """Read every request into its planner-resolved destination; returns (bytes read, bytes needed)."""
+) -> ReadCounts:
+    """Read every request into its planner-resolved destination.
+
+    Neighbouring items of a file are read with one request where the holes
+    between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
+    """
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:
         loc = catalog.location(req)
@@ -243,6 +278,7 @@ def read_items(
             _finish(item, planner)
 
     read = 0
+    issued = 0
     progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
     try:
@@ -262,6 +298,7 @@ def read_items(
                 buffer = into = window.stage(extent.length)
             window.push(engine.read(f, into, extent.file_offset), extent, buffer)
             read += extent.length
+            issued += -(-extent.length // config.block_size)  # the engine splits at block_size
         window.finish()
     except ShortReadError as e:
         window.abort()
@@ -273,4 +310,4 @@ def read_items(
         for f in files.values():
             f.close()
     needed = sum(it.total for items in by_file.values() for it in items)
-    return read, needed
+    return ReadCounts(read, needed, issued)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -20,8 +21,12 @@ from ..checkpoint import open_checkpoint, read_metadata_bytes
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
-from ..io.engine import IOResources
-from .pipeline import Catalog, read_items
+from ..io.buffers import BufferPool
+from ..io.engine import Engine, IOResources
+from ..net.group import Group
+from ..net.transport import Transport
+from .pipeline import Catalog, ReadCounts, read_items
+from .sharing import Exchange, plan_exchange, read_shared
 
 __all__ = ["FastPersistReader", "LoadSummary"]
 
@@ -34,10 +39,29 @@ class LoadSummary:
     needed: int  # bytes of the requested regions (read / needed is the read amplification)
     seconds: float  # read_data, from first open to last commit
     engine: str
+    received_bytes: int = 0  # bytes of shared items received from the ranks that read them (``share``)
+    requests: int = 0  # read requests issued to storage (0 for a stock checkpoint, read by torch)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes this rank read from storage (``bytes``)."""
+        return self.bytes
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+_GROUPS: dict[int, Group] = {}  # gloo groups for sharing, by the id of the group loads run on: made once
+
+
+def _sharing_group(process_group: dist.ProcessGroup | None) -> Group:
+    """A gloo group of the ranks of ``process_group`` (every rank makes it at the same load)."""
+    key = id(process_group)
+    if key not in _GROUPS:
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        _GROUPS[key] = Group(dist.new_group(ranks=ranks, backend="gloo"))
+    return _GROUPS[key]
 
 
 class FastPersistReader(StorageReader):
@@ -68,6 +92,16 @@ class FastPersistReader(StorageReader):
             directories moved along with the checkpoint, and the checkpoint
             directory itself).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
+        share: in a multi-rank load, read every stored item that several ranks
+            need from storage once, on one rank, and send it to the others over
+            a gloo process group of fp-dcp's own (``fp_dcp.load.sharing``):
+            replicated parameters and a full state loaded by every rank then
+            cost the storage 1x, not once per rank. Items one rank needs are
+            read by it as always. On by default (it does nothing in a
+            single-process load or where no item is shared); False reads
+            everything from storage on every rank that needs it.
+        process_group: the group ``dcp.load`` runs on, when not the default
+            one (sharing makes a gloo group of the same ranks).
         _extension_registry: as for torch's ``FileSystemReader`` (so code
             constructing one takes this class unchanged); used when the
             checkpoint is a stock DCP one written with stream extensions.
@@ -80,6 +114,8 @@ class FastPersistReader(StorageReader):
         verify_checksums: bool = True,
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
         config: IOConfig | None = None,
+        share: bool = True,
+        process_group: dist.ProcessGroup | None = None,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
@@ -96,6 +132,9 @@ class FastPersistReader(StorageReader):
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._stock_metadata = Metadata({})
         self._io = IOResources(self.config)
+        self.share = share
+        self.process_group = process_group
+        self._transport: Transport | None = None  # for this load's shared items, when there are several ranks
 
     # ----------------------------------------------------------- DCP contract
 
@@ -134,6 +173,10 @@ class FastPersistReader(StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._transport = None
+        distributed = dist.is_available() and dist.is_initialized() and kwargs.get("use_collectives", True)
+        if self.share and self._stock is None and distributed and dist.get_world_size(self.process_group) > 1:
+            self._transport = Transport(_sharing_group(self.process_group))
         if self._stock is not None:
             self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
             self._stock_metadata = metadata
@@ -144,7 +187,10 @@ class FastPersistReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if self._transport is None or self._catalog is None:
+            return plans
+        exchange = plan_exchange(plans, self._catalog)  # the same on every rank: each walks it in the same order
+        return [dataclasses.replace(plan, storage_data=exchange) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         start = time.perf_counter()
@@ -152,17 +198,18 @@ class FastPersistReader(StorageReader):
             self._stock.read_data(plan, planner).wait()
             # torch's reader reads every record whole, whatever part of it is needed
             stored = self._stock_metadata.storage_data
-            nbytes = sum(stored[item.storage_index].length for item in plan.items)
-            needed = sum(self._needed(item) for item in plan.items)
-            engine = "torch FileSystemReader (stock DCP checkpoint)"
+            counts = ReadCounts(
+                sum(stored[item.storage_index].length for item in plan.items),
+                sum(self._needed(item) for item in plan.items),
+                0,
+            )
+            received, engine = 0, "torch FileSystemReader (stock DCP checkpoint)"
         elif self._catalog is None:
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         else:
             io_engine, pool = self._io.get()
             try:
-                nbytes, needed = read_items(
-                    plan.items, planner, self._catalog, io_engine, pool, self.config, self.verify_checksums
-                )
+                counts, received = self._read(plan, planner, self._catalog, io_engine, pool)
             except CorruptCheckpointError as e:
                 if self._replaced():
                     raise CheckpointReplacedError(
@@ -170,10 +217,29 @@ class FastPersistReader(StorageReader):
                     ) from e
                 raise
             engine = io_engine.describe()
-        self.last_load = LoadSummary(nbytes, needed, time.perf_counter() - start, engine)
+        seconds = time.perf_counter() - start
+        self.last_load = LoadSummary(counts.read, counts.needed, seconds, engine, received, counts.requests)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read(
+        self, plan: LoadPlan, planner: LoadPlanner, catalog: Catalog, engine: Engine, pool: BufferPool
+    ) -> tuple[ReadCounts, int]:
+        """Read the plan's items, shared ones through the exchange; returns the storage reads and bytes received."""
+        exchange = plan.storage_data if isinstance(plan.storage_data, Exchange) else None
+        if exchange is None or self._transport is None:
+            return read_items(plan.items, planner, catalog, engine, pool, self.config, self.verify_checksums), 0
+        shared: list[ReadItem] = []
+        own: list[ReadItem] = []
+        for req in plan.items:
+            loc = catalog.location(req)
+            (shared if (loc.file, loc.offset) in exchange.readers else own).append(req)
+        # the exchange first: a failure in this rank's own reads must not leave the others waiting in it
+        peers, received = read_shared(shared, exchange, planner, catalog, engine, pool, self.config, self._transport)
+        counts = read_items(own, planner, catalog, engine, pool, self.config, self.verify_checksums)
+        total = ReadCounts(counts.read + peers.read, counts.needed + peers.needed, counts.requests + peers.requests)
+        return total, received
 
     def _needed(self, item: ReadItem) -> int:
         """Bytes of the region a stock checkpoint's ReadItem asks for (the whole record for objects)."""

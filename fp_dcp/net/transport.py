@@ -1,14 +1,16 @@
-"""Moving checkpoint files from one rank to another over a process group, with bounded memory.
+"""Moving bytes from one rank to another over a process group, with bounded memory.
 
-One mechanism serves every tier: replication (a rank's new files to its
-peers), restore (what a node lacks, from a node that has it). A transfer
-list is the same on every rank; each rank walks it in order, taking part in
+One mechanism serves every use: replication (a rank's new files to its
+peers), restore (what a node lacks, from a node that has it), and loads
+that read an item once and send it to the other ranks needing it. A
+transfer's bytes come from a file or from memory and go to a file or to
+memory (``Sink``). A transfer list is the same on every rank; each rank walks it in order, taking part in
 the transfers that name it. Since a pair meets at the first transfer either
 still has to do, the walk cannot deadlock, and each pair's messages arrive in
 order.
 
 Per transfer the sender sends a header (how many bytes follow, or that it
-cannot read the file) and then the file in chunks of ``chunk`` bytes from two
+has nothing to send) and then the bytes in chunks of ``chunk`` bytes from two
 reused buffers, reading one while the other is on the wire; the receiver
 likewise receives one chunk while writing the previous one into its sink.
 Memory: four chunks per rank, whatever the files' sizes.
@@ -22,28 +24,100 @@ import io
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import torch
 
 from ..io.files import fsync_directory, fsync_path
-from ..load.verify import StreamCheck
 from ..units import MiB
 from .group import Group
 
-__all__ = ["Transfer", "FileSink", "Transport", "DEFAULT_CHUNK"]
+__all__ = [
+    "Transfer",
+    "Sink",
+    "FileSink",
+    "MemorySink",
+    "MemorySource",
+    "Transport",
+    "DEFAULT_CHUNK",
+    "remove_partials",
+]
 
 DEFAULT_CHUNK = 8 * MiB
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Transfer:
-    """``key`` (a file's path relative to a tier's root, ``step-N/name``) from rank ``src`` to rank ``dst``."""
+    """``size`` bytes named ``key`` (e.g. a file's ``step-N/name``) from rank ``src`` to rank ``dst``."""
 
     key: str
     src: int
     dst: int
-    size: int  # the bytes of the file that the checkpoint lists (a longer file sends only these)
+    size: int  # the bytes to send (a longer file sends only these)
+
+
+class Check(Protocol):
+    """What a sink checks the bytes with as they arrive (``fp_dcp.load.verify.StreamCheck``)."""
+
+    def feed(self, data: memoryview | bytes) -> None: ...
+
+    def problems(self, where: str) -> list[str]: ...
+
+
+class Sink(Protocol):
+    """Where a received transfer goes."""
+
+    def write(self, data: memoryview) -> None: ...
+
+    def done(self, where: str) -> list[str]:
+        """The transfer is complete: keep it if it is intact; returns the problems found."""
+        ...
+
+    def abort(self) -> None:
+        """The transfer failed: keep nothing of it."""
+        ...
+
+
+class MemorySink:
+    """Receives into a buffer of the transfer's size; checks nothing (the caller does)."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        self._at = 0
+
+    def write(self, data: memoryview) -> None:
+        self.buffer[self._at : self._at + len(data)] = data
+        self._at += len(data)
+
+    def done(self, where: str) -> list[str]:
+        return [] if self._at == len(self.buffer) else [f"{where}: {self._at} of {len(self.buffer)} bytes arrived"]
+
+    def abort(self) -> None:
+        self.buffer = bytearray()
+
+
+class MemorySource:
+    """Sends pieces of memory one after another, as one stream (a file-like ``readinto``)."""
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        self._pieces = [memoryview(p).cast("B") for p in pieces]
+        self._k = 0
+        self._at = 0
+
+    def readinto(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view) and self._k < len(self._pieces):
+            piece = self._pieces[self._k]
+            n = min(len(view) - done, len(piece) - self._at)
+            view[done : done + n] = piece[self._at : self._at + n]
+            done += n
+            self._at += n
+            if self._at == len(piece):
+                self._k, self._at = self._k + 1, 0
+        return done
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class FileSink:
@@ -57,7 +131,7 @@ class FileSink:
 
     PART = ".part"
 
-    def __init__(self, path: str, check: StreamCheck) -> None:
+    def __init__(self, path: str, check: Check) -> None:
         self.path = path
         self.check = check
         self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}{self.PART}")
@@ -117,14 +191,15 @@ class Transport:
     def run(
         self,
         transfers: Sequence[Transfer],
-        source: Callable[[Transfer], str],
-        sink: Callable[[Transfer], FileSink],
+        source: Callable[[Transfer], str | MemorySource],
+        sink: Callable[[Transfer], Sink],
     ) -> dict[Transfer, list[str]]:
         """Do this rank's part of ``transfers``, in their order.
 
-        ``source(t)`` is the path this rank sends ``t`` from; ``sink(t)`` where
-        it receives ``t``. Returns, for each transfer this rank received, the
-        problems with it ([] when it arrived intact and is in place).
+        ``source(t)`` is what this rank sends ``t`` from: a file's path, or
+        memory; ``sink(t)`` where it receives ``t``. Returns, for each
+        transfer this rank received, the problems with it ([] when it
+        arrived intact and is in place).
         """
         outcome: dict[Transfer, list[str]] = {}
         for t in transfers:
@@ -141,11 +216,14 @@ class Transport:
             self._buffers.append(torch.empty(self.chunk, dtype=torch.uint8))
         return self._buffers[k]
 
-    def _send(self, t: Transfer, path: str) -> None:
-        f: io.BufferedReader | None = None
+    def _send(self, t: Transfer, origin: str | MemorySource) -> None:
+        f: io.BufferedReader | MemorySource | None = None
         try:
-            f = open(path, "rb")
-            readable = os.fstat(f.fileno()).st_size >= t.size
+            if isinstance(origin, MemorySource):
+                f, readable = origin, True
+            else:
+                f = open(origin, "rb")
+                readable = os.fstat(f.fileno()).st_size >= t.size
         except OSError:
             readable = False
         try:
@@ -184,13 +262,13 @@ class Transport:
             if f is not None:
                 f.close()
 
-    def _receive(self, t: Transfer, sink: Callable[[Transfer], FileSink]) -> list[str]:
+    def _receive(self, t: Transfer, sink: Callable[[Transfer], Sink]) -> list[str]:
         header = torch.empty(1, dtype=torch.int64)
         self.group.irecv(header, t.src).wait()
         size = int(header[0])
         if size < 0:
-            return [f"rank {t.src} could not read its copy of {t.key}"]
-        target: FileSink | None = None
+            return [f"rank {t.src} had no readable copy of {t.key} to send"]
+        target: Sink | None = None
         problems: list[str] = []
         try:
             target = sink(t)

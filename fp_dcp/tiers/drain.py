@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..format import METADATA_NAME
 from ..io.files import replace_durably
 from ..log import log
-from .group import Group
+from ..net.group import Group
 from .layout import StepLayout, files_in_metadata, parse_step_name, step_name
 from .nodes import Nodes
 from .store import DurableStore, retrying

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import socket
 
-from .group import Group
+from ..net.group import Group
 
 __all__ = ["NODE_ENV", "Nodes", "node_name", "expand_root"]
 

@@ -18,10 +18,10 @@ import os
 from ..errors import CheckpointError
 from ..io.files import replace_durably
 from ..log import log
-from .group import Group
+from ..net.group import Group
+from ..net.transport import FileSink, Transfer, Transport
 from .layout import StepLayout
 from .nodes import Nodes
-from .transport import FileSink, Transfer, Transport
 
 __all__ = ["REPLICATED_NAME", "Replicated", "plan", "replicate"]
 

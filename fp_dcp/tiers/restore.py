@@ -33,7 +33,8 @@ from ..errors import CheckpointError
 from ..format import METADATA_NAME, RETIRED_NAME, decode_metadata
 from ..load.verify import StreamCheck
 from ..log import log
-from .group import Group
+from ..net.group import Group
+from ..net.transport import DEFAULT_CHUNK, FileSink, Transfer, Transport
 from .layout import (
     StepLayout,
     files_in_metadata,
@@ -45,7 +46,6 @@ from .layout import (
 )
 from .nodes import Nodes
 from .store import DurableStore
-from .transport import DEFAULT_CHUNK, FileSink, Transfer, Transport
 
 __all__ = ["Fetched", "fetch_step"]
 

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from ..errors import DurableStorageError
 from ..format import METADATA_NAME
 from ..log import log
+from ..net.group import Group
+from ..net.transport import Transport, remove_partials
 from .drain import Drained, Retry, drain, prune_durable
-from .group import Group
 from .layout import mark_node, publish_metadata, step_name
 from .nodes import Nodes, expand_root, node_name
 from .replication import Replicated, replicate
 from .restore import Fetched, fetch_step
 from .store import DurableStore, open_store
-from .transport import Transport, remove_partials
 from .worker import Worker
 
 __all__ = ["Tiers"]

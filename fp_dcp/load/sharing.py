@@ -1,0 +1,252 @@
+"""Read once, share: every stored item that several ranks need is read from storage by one rank only.
+
+The coordinator sees every rank's load plan (``prepare_global_plan``) and
+finds the stored items more than one rank reads whole: replicated
+parameters and buffers, optimizer state every rank of a new job loads, one
+model loaded by every inference worker. (Ranks that each need a different
+part of an item read their parts themselves: together that is the item
+once.) Each such item gets one reading rank, the bytes balanced over the
+ranks (largest items first, each to the rank with the fewest bytes so far,
+a rank that needs it winning ties). The plan each rank gets back carries the whole exchange, identical everywhere.
+
+At read time the shared items go in windows of at most ``WINDOW`` bytes: in
+each, every reading rank reads its items whole (checking their CRC-32C),
+then each sends, to each rank that needs some of them, those items' bytes as
+one transfer (``fp_dcp.net``, gloo); receivers check every item's CRC-32C
+again and copy out the part their plan asks for, so resharding works as
+with a plain read. A damaged item is sent as zeros: every rank that needs it
+fails, naming it, and the reading rank fails too, after the exchange is over
+so that no rank waits forever. Memory: one window of items per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from ..config import IOConfig
+from ..errors import CorruptCheckpointError
+from ..format import ItemLocation, describe_item
+from ..io.buffers import BufferPool
+from ..io.engine import Engine
+from ..net.transport import MemorySink, MemorySource, Transfer, Transport
+from ..units import MiB
+from .pipeline import Catalog, ReadCounts, fill_from_bytes, read_items
+
+__all__ = ["Exchange", "plan_exchange", "read_shared", "WINDOW"]
+
+WINDOW = 64 * MiB
+
+Key = tuple[str, int]  # (file, offset): one stored item
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """The shared items of one load: who reads each (``readers``), in the order every rank walks them."""
+
+    readers: dict[Key, int]
+    needers: dict[Key, list[int]]
+    lengths: dict[Key, int]
+
+    def windows(self) -> list[list[Key]]:
+        """The shared items in windows of at most ``WINDOW`` bytes (an item larger than that alone)."""
+        out: list[list[Key]] = []
+        size = 0
+        for key in sorted(self.readers):
+            if not out or size + self.lengths[key] > WINDOW:
+                out.append([])
+                size = 0
+            out[-1].append(key)
+            size += self.lengths[key]
+        return out
+
+
+def plan_exchange(plans: list[LoadPlan], catalog: Catalog) -> Exchange:
+    """(coordinator) The items more than one rank's plan reads, and which rank reads each from storage."""
+    needers: dict[Key, list[int]] = defaultdict(list)
+    lengths: dict[Key, int] = {}
+    for rank, plan in enumerate(plans):
+        for req in plan.items:
+            if not _whole_item(req, catalog):
+                continue  # a part of it: reading just that part from storage costs no more than receiving it
+            loc = catalog.location(req)
+            key = (loc.file, loc.offset)
+            if not needers[key] or needers[key][-1] != rank:
+                needers[key].append(rank)
+            lengths[key] = loc.length
+    shared = {key: ranks for key, ranks in needers.items() if len(ranks) > 1}
+    load = [0] * len(plans)
+    readers: dict[Key, int] = {}
+    for key in sorted(shared, key=lambda k: (-lengths[k], k)):
+        rank = min(range(len(plans)), key=lambda r: (load[r], r not in shared[key], r))
+        readers[key] = rank
+        load[rank] += lengths[key]
+    return Exchange(readers, shared, {k: lengths[k] for k in shared})
+
+
+def _whole_item(req: ReadItem, catalog: Catalog) -> bool:
+    """Whether ``req`` asks for its stored item whole (an object, or a tensor chunk entire)."""
+    if req.type == LoadItemType.BYTE_IO:
+        return True
+    chunk = catalog.chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+    return chunk is not None and not any(req.storage_offsets) and tuple(req.lengths) == tuple(chunk[0])
+
+
+class _Capture(LoadPlanner):
+    """A planner that keeps the bytes of whole-item reads (``read_items`` with BYTE_IO requests)."""
+
+    def __init__(self) -> None:
+        self.got: dict[MetadataIndex, bytes] = {}
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.got[read_item.storage_index] = value.getvalue()
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def create_local_plan(self) -> LoadPlan:
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        raise NotImplementedError
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        raise NotImplementedError
+
+    def resolve_tensor(self, read_item: ReadItem) -> Any:
+        raise NotImplementedError
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Any) -> None:
+        raise NotImplementedError
+
+
+def _whole(index: MetadataIndex) -> ReadItem:
+    """A request for a stored item's bytes, whole."""
+    empty = torch.Size([])
+    return ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=index,
+        dest_offsets=empty,
+        storage_index=index,
+        storage_offsets=empty,
+        lengths=empty,
+    )
+
+
+def read_shared(
+    mine: list[ReadItem],
+    exchange: Exchange,
+    planner: LoadPlanner,
+    catalog: Catalog,
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+    transport: Transport,
+) -> tuple[ReadCounts, int]:
+    """This rank's part of the exchange: read what it reads, send and receive, fill its own requests.
+
+    ``mine``: this rank's requests for shared items. Returns the storage
+    reads (with the bytes of ``mine``, as needed) and the bytes received from peers. Raises CorruptCheckpointError
+    (after the exchange) if an item this rank read or needs is damaged.
+    """
+    rank = transport.group.rank
+    wanted: dict[Key, list[ReadItem]] = defaultdict(list)
+    for req in mine:
+        loc = catalog.location(req)
+        wanted[(loc.file, loc.offset)].append(req)
+    index_of = {(loc.file, loc.offset): (index, loc) for index, loc in catalog.locations.items()}
+    counts = ReadCounts(0, 0, 0)
+    received = needed = 0
+    errors: list[str] = []
+    for window in exchange.windows():
+        data, read = _read_window(
+            [k for k in window if exchange.readers[k] == rank], index_of, catalog, engine, pool, config, errors
+        )
+        counts = ReadCounts(counts.read + read.read, counts.needed + read.needed, counts.requests + read.requests)
+        received += _send_and_receive(window, exchange, data, transport, errors)
+        for key in window:
+            for req in wanted.get(key, []):
+                try:
+                    if key not in data:
+                        raise CorruptCheckpointError(
+                            f"{describe_item(*index_of[key])}: not read (see the errors above)"
+                        )
+                    needed += fill_from_bytes(req, planner, catalog, data[key])
+                except CorruptCheckpointError as e:
+                    errors.append(f"{e} (read by rank {exchange.readers[key]})")
+    if errors:
+        raise CorruptCheckpointError("; ".join(dict.fromkeys(errors)))
+    return ReadCounts(counts.read, needed, counts.requests), received
+
+
+def _send_and_receive(
+    window: list[Key], exchange: Exchange, data: dict[Key, memoryview], transport: Transport, errors: list[str]
+) -> int:
+    """Send what this rank read to the ranks needing it, receive what it needs into ``data``; returns bytes received.
+
+    One transfer per (reader, needer) pair of the window, its items back to back.
+    """
+    pairs: dict[tuple[int, int], list[Key]] = defaultdict(list)
+    for key in window:
+        for needer in exchange.needers[key]:
+            if needer != exchange.readers[key]:
+                pairs[(exchange.readers[key], needer)].append(key)
+    keys_of = {
+        Transfer(
+            f"{len(keys)} shared item(s) from {keys[0][0]}", src, dst, sum(exchange.lengths[k] for k in keys)
+        ): keys
+        for (src, dst), keys in sorted(pairs.items())
+    }
+    sinks: dict[Transfer, MemorySink] = {}
+
+    def source(t: Transfer) -> MemorySource:
+        # a damaged item goes as zeros: the receivers' checks name it
+        return MemorySource([data.get(k, memoryview(bytes(exchange.lengths[k]))) for k in keys_of[t]])
+
+    def sink(t: Transfer) -> MemorySink:
+        sinks[t] = MemorySink(t.size)
+        return sinks[t]
+
+    received = 0
+    for t, problems in transport.run(list(keys_of), source, sink).items():
+        received += t.size
+        if problems:
+            errors += problems
+            continue
+        at = 0
+        whole = memoryview(sinks[t].buffer)
+        for key in keys_of[t]:
+            data[key] = whole[at : at + exchange.lengths[key]]
+            at += exchange.lengths[key]
+    return received
+
+
+def _read_window(
+    keys: list[Key],
+    index_of: dict[Key, tuple[MetadataIndex, ItemLocation]],
+    catalog: Catalog,
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+    errors: list[str],
+) -> tuple[dict[Key, memoryview], ReadCounts]:
+    """The items this rank reads in one window, whole and checked; a damaged one is left out (in ``errors``)."""
+    capture = _Capture()
+    try:
+        counts = read_items([_whole(index_of[k][0]) for k in keys], capture, catalog, engine, pool, config, True)
+    except CorruptCheckpointError:
+        # tell which items are damaged: read them one by one (rare: only a damaged checkpoint gets here)
+        counts = ReadCounts(0, 0, 0)
+        for key in keys:
+            try:
+                c = read_items([_whole(index_of[key][0])], capture, catalog, engine, pool, config, True)
+                counts = ReadCounts(counts.read + c.read, counts.needed + c.needed, counts.requests + c.requests)
+            except CorruptCheckpointError as e:
+                errors.append(str(e))
+    return {k: memoryview(capture.got[index_of[k][0]]) for k in keys if index_of[k][0] in capture.got}, counts
