@@ -11,8 +11,8 @@ that saves step after step through ``CheckpointManager``:
 - ``drain``: a durable directory that takes 0.2 s more per file, so a drain
   is nearly always running.
 
-After a random delay one random rank is killed with SIGKILL and, half a
-second later, the rest (as a scheduler ends a job that lost a rank). Rank 0
+Once the first step is saved, after a random further delay, one random
+rank is killed with SIGKILL and, half a second later, the rest (as a scheduler ends a job that lost a rank). Rank 0
 logs, after each save, the newest step whose replication or drain had
 finished everywhere. Then the node that could be lost is deleted (node b
 for replication; both nodes for the drain, leaving only the durable root),
@@ -72,6 +72,8 @@ def worker(rank: int, tmp: str, phase: str, role: str) -> None:
         state = state_of(step, rank)
         state[f"big{rank}"] = big + step
         mgr.save(step, state)
+        if rank == 0 and step == 1:
+            Path(tmp, "ready").touch()
         tiers = mgr.tiers
         if rank == 0 and tiers is not None:
             done = tiers.last_replication if phase == "replication" else tiers.last_drain
@@ -102,6 +104,9 @@ def trial(tmp: str, phase: str, rng: random.Random, window: tuple[float, float])
     """One kill and one restore; returns what happened."""
     procs = _start(tmp, phase, "save")
     try:
+        deadline = time.monotonic() + 120
+        while not Path(tmp, "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         delay = rng.uniform(*window)
         time.sleep(delay)
         victim = rng.randrange(WORLD)
@@ -180,10 +185,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=20, help="kills per phase")
     parser.add_argument("--phase", choices=[*PHASES, "both"], default="both")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--min-delay", type=float, default=6.0, help="seconds after the start (torch's import included)"
-    )
-    parser.add_argument("--max-delay", type=float, default=14.0)
+    parser.add_argument("--min-delay", type=float, default=0.0, help="seconds after the first step is saved")
+    parser.add_argument("--max-delay", type=float, default=8.0)
     args = parser.parse_args()
     phases = PHASES if args.phase == "both" else (args.phase,)
     start = time.monotonic()

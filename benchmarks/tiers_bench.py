@@ -11,7 +11,8 @@
 2. **Replication throughput** between 2 ranks: ``Transport`` copying a
    ``--mib`` x 4 MiB file (read, sent, checked item by item, fsynced,
    renamed), against the loopback copy limit: the same bytes through gloo
-   ``send``/``recv`` from memory to memory, and through a plain TCP socket.
+   ``send``/``recv`` from memory to memory, and through a plain TCP socket;
+   and against the receiving disk: the same bytes written and fsynced.
 
 On a 2-core machine 4 ranks and their background threads share two cores:
 read the ratios with that in mind.
@@ -64,8 +65,8 @@ def transport(rank: int, world: int, tmp: str, mib: int) -> dict[str, float]:
 
     from fp_dcp.checkpoint import open_checkpoint
     from fp_dcp.net.group import Group
-    from fp_dcp.tiers.layout import StepLayout
     from fp_dcp.net.transport import FileSink, Transfer, Transport
+    from fp_dcp.tiers.layout import StepLayout
 
     size = 4 * mib * MiB
     source = os.path.join(tmp, "src", "step-1")
@@ -129,6 +130,21 @@ def tcp_loopback(nbytes: int) -> float:
     return nbytes / (time.perf_counter() - start) / 1e9
 
 
+def disk_write(directory: str, nbytes: int) -> float:
+    """GB/s of writing ``nbytes`` through the page cache and fsyncing them: what a received copy costs the disk."""
+    chunk = os.urandom(8 * MiB)
+    path = os.path.join(directory, "disk-limit")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(chunk)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.unlink(path)
+    return nbytes / seconds / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB per rank per save")
@@ -167,10 +183,12 @@ def main() -> None:
         dcp.save({"w": torch.randn(args.mib * MiB)}, storage_writer=FastPersistWriter(src), no_dist=True)
         figures = spawn(2, transport, os.path.join(base, "xfer"), args.mib)
         tcp = tcp_loopback(4 * args.mib * MiB)
+        disk = disk_write(os.path.join(base, "xfer"), 4 * args.mib * MiB)
         xfer, gloo = figures[1]["transport"], figures[1]["gloo"]
         print(f"replication transport, {4 * args.mib} MiB file, 2 ranks: {xfer:.2f} GB/s (checked, fsynced)")
         print(f"  loopback limit: gloo send/recv memory to memory {gloo:.2f} GB/s, TCP socket {tcp:.2f} GB/s")
-        print(f"  transport / gloo: {xfer / gloo:.2f}x; transport / TCP: {xfer / tcp:.2f}x")
+        print(f"  the receiving disk: buffered write + fsync of the same bytes {disk:.2f} GB/s")
+        print(f"  transport / gloo: {xfer / gloo:.2f}x; / TCP: {xfer / tcp:.2f}x; / the disk: {xfer / disk:.2f}x")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

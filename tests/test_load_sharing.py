@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import same_bytes, save
 from dist_util import run_ranks
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.load.pipeline import Catalog
+from fp_dcp.load.sharing import plan_exchange
 
 
 def replicated_state() -> dict[str, torch.Tensor]:
@@ -48,10 +53,11 @@ def test_four_ranks_loading_a_replicated_state_read_it_from_storage_once(tmp_pat
     assert sum(r["received"] for r in results) >= 3 * items_bytes(replicated_state()) * 0.9, results
 
 
-def test_with_sharing_off_every_rank_reads_everything_and_gets_the_same_result(tmp_path):
+@pytest.mark.parametrize("share", [False, "auto"])
+def test_with_sharing_off_or_on_one_node_every_rank_reads_everything_itself(tmp_path, share):
     path = str(tmp_path / "ck")
     save(replicated_state(), path)
-    results = run_ranks(4, load_all, path, False)
+    results = run_ranks(4, load_all, path, share)  # "auto": all 4 ranks on this host, so no exchange
     assert all(r["exact"] and r["received"] == 0 for r in results), results
     assert sum(r["read"] for r in results) >= 4 * items_bytes(replicated_state()), results
 
@@ -73,6 +79,7 @@ def save_mixed(rank: int, world: int, path: str) -> None:
 
 
 def load_mixed(rank: int, world: int, path: str) -> dict:
+    os.environ["FP_DCP_NODE"] = f"node{rank // 2}"  # 2 nodes of 2 ranks: sharing is on by default ("auto")
     mesh = init_device_mesh("cpu", (world,))
     state = mixed(mesh, zeros=True)
     reader = FastPersistReader(path)
@@ -95,7 +102,7 @@ def test_half_sharded_half_replicated_saved_on_2_ranks_loads_on_4(tmp_path):
 def load_expecting_damage(rank: int, world: int, path: str) -> str:
     state = {k: torch.zeros_like(v) for k, v in replicated_state().items()}
     try:
-        dcp.load(state, storage_reader=FastPersistReader(path))
+        dcp.load(state, storage_reader=FastPersistReader(path, share=True))
     except BaseException as e:  # CheckpointException is a BaseException
         return str(e)
     return "loaded"
@@ -127,3 +134,19 @@ def test_twenty_thousand_small_items_are_read_with_few_requests(tmp_path):
     dcp.load(loaded, storage_reader=reader, no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert 0 < reader.last_load.requests <= len(state) // 10, reader.last_load
+
+
+def test_shared_items_are_read_by_a_rank_that_sees_their_file(tmp_path):
+    path = str(tmp_path / "ck")
+    save(replicated_state(), path)
+    metadata = FastPersistReader(path).read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({k: torch.zeros_like(v) for k, v in replicated_state().items()}, metadata, True)
+    plan = planner.create_local_plan()
+    catalog = Catalog(open_checkpoint(path))
+    (name,) = {loc.file for loc in catalog.locations.values()}
+    balanced = plan_exchange([plan, plan, plan], catalog, [{name}] * 3)
+    assert set(balanced.readers.values()) == {0, 1, 2}  # the bytes spread over every rank that can read them
+    only_rank_2 = plan_exchange([plan, plan, plan], catalog, [set(), set(), {name}])
+    assert set(only_rank_2.readers.values()) == {2}  # a file on rank 2's node alone: rank 2 reads every item
+    assert all(needers == [0, 1, 2] for needers in only_rank_2.needers.values())

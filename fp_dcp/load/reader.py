@@ -7,7 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -23,7 +23,7 @@ from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckp
 from ..format import METADATA_NAME, chunk_nbytes
 from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
-from ..net.group import Group
+from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .pipeline import Catalog, ReadCounts, read_items
 from .sharing import Exchange, plan_exchange, read_shared
@@ -93,13 +93,16 @@ class FastPersistReader(StorageReader):
             directory itself).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
         share: in a multi-rank load, read every stored item that several ranks
-            need from storage once, on one rank, and send it to the others over
-            a gloo process group of fp-dcp's own (``fp_dcp.load.sharing``):
-            replicated parameters and a full state loaded by every rank then
-            cost the storage 1x, not once per rank. Items one rank needs are
-            read by it as always. On by default (it does nothing in a
-            single-process load or where no item is shared); False reads
-            everything from storage on every rank that needs it.
+            need whole from storage once, on one rank, and send it to the
+            others over a gloo process group of fp-dcp's own
+            (``fp_dcp.load.sharing``): replicated parameters and a full state
+            loaded by every rank then cost the storage 1x, not once per rank.
+            Items one rank needs are read by it as always. ``"auto"`` (the
+            default) shares when the job's ranks are on more than one node
+            (host name, or ``FP_DCP_NODE``), where the storage is a shared
+            filesystem or each node's own; on one node every rank reading
+            from the local disk is faster than the exchange. True always
+            shares, False never.
         process_group: the group ``dcp.load`` runs on, when not the default
             one (sharing makes a gloo group of the same ranks).
         _extension_registry: as for torch's ``FileSystemReader`` (so code
@@ -114,7 +117,7 @@ class FastPersistReader(StorageReader):
         verify_checksums: bool = True,
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
         config: IOConfig | None = None,
-        share: bool = True,
+        share: bool | Literal["auto"] = "auto",
         process_group: dist.ProcessGroup | None = None,
         _extension_registry: Any = None,
     ) -> None:
@@ -175,7 +178,12 @@ class FastPersistReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._transport = None
         distributed = dist.is_available() and dist.is_initialized() and kwargs.get("use_collectives", True)
-        if self.share and self._stock is None and distributed and dist.get_world_size(self.process_group) > 1:
+        if (
+            self.share is not False
+            and self._stock is None
+            and distributed
+            and dist.get_world_size(self.process_group) > 1
+        ):
             self._transport = Transport(_sharing_group(self.process_group))
         if self._stock is not None:
             self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -184,12 +192,20 @@ class FastPersistReader(StorageReader):
             raise RuntimeError("FastPersistReader.set_up_storage_reader called before read_metadata")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self._transport is None or self._catalog is None:
+            return plan
+        # this rank's node, and the data files it can open: shared items are read where their files are
+        visible = {name for name, path in self._catalog.paths.items() if os.path.exists(path)}
+        return dataclasses.replace(plan, storage_data=(node_name(), visible))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         if self._transport is None or self._catalog is None:
             return plans
-        exchange = plan_exchange(plans, self._catalog)  # the same on every rank: each walks it in the same order
+        seen = [p.storage_data if isinstance(p.storage_data, tuple) else ("", set()) for p in plans]
+        if self.share == "auto" and len({node for node, _ in seen}) < 2:
+            return plans  # one node: the disk serves every rank at its own speed, cheaper than the exchange
+        # the same exchange for every rank: each walks it in the same order
+        exchange = plan_exchange(plans, self._catalog, [files for _, files in seen])
         return [dataclasses.replace(plan, storage_data=exchange) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -7,7 +7,9 @@ model loaded by every inference worker. (Ranks that each need a different
 part of an item read their parts themselves: together that is the item
 once.) Each such item gets one reading rank, the bytes balanced over the
 ranks (largest items first, each to the rank with the fewest bytes so far,
-a rank that needs it winning ties). The plan each rank gets back carries the whole exchange, identical everywhere.
+among the ranks that can open its file: on node-local disks, a rank on the
+file's node; a rank that needs it wins ties). The plan each rank gets back
+carries the whole exchange, identical everywhere.
 
 At read time the shared items go in windows of at most ``WINDOW`` bytes: in
 each, every reading rank reads its items whole (checking their CRC-32C),
@@ -67,8 +69,12 @@ class Exchange:
         return out
 
 
-def plan_exchange(plans: list[LoadPlan], catalog: Catalog) -> Exchange:
-    """(coordinator) The items more than one rank's plan reads, and which rank reads each from storage."""
+def plan_exchange(plans: list[LoadPlan], catalog: Catalog, visible: list[set[str]]) -> Exchange:
+    """(coordinator) The items more than one rank's plan reads whole, and which rank reads each from storage.
+
+    ``visible[r]``: the data files rank ``r`` can open; an item is read by a
+    rank that sees its file (on node-local disks, one on the file's node).
+    """
     needers: dict[Key, list[int]] = defaultdict(list)
     lengths: dict[Key, int] = {}
     for rank, plan in enumerate(plans):
@@ -84,7 +90,8 @@ def plan_exchange(plans: list[LoadPlan], catalog: Catalog) -> Exchange:
     load = [0] * len(plans)
     readers: dict[Key, int] = {}
     for key in sorted(shared, key=lambda k: (-lengths[k], k)):
-        rank = min(range(len(plans)), key=lambda r: (load[r], r not in shared[key], r))
+        seeing = [r for r in range(len(plans)) if key[0] in visible[r]] or list(range(len(plans)))
+        rank = min(seeing, key=lambda r: (load[r], r not in shared[key], r))
         readers[key] = rank
         load[rank] += lengths[key]
     return Exchange(readers, shared, {k: lengths[k] for k in shared})
@@ -99,13 +106,28 @@ def _whole_item(req: ReadItem, catalog: Catalog) -> bool:
 
 
 class _Capture(LoadPlanner):
-    """A planner that keeps the bytes of whole-item reads (``read_items`` with BYTE_IO requests)."""
+    """A planner that keeps whole stored items as read (``read_items`` into memory of its own).
 
-    def __init__(self) -> None:
-        self.got: dict[MetadataIndex, bytes] = {}
+    A tensor chunk is read straight into a tensor this planner allocates, so
+    its bytes are sent from there without a copy; an object arrives as bytes.
+    """
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.got: dict[MetadataIndex, memoryview] = {}
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        index = read_item.storage_index
+        sizes, dtype = self.catalog.chunks[(index.fqn, tuple(index.offset or ()))]
+        tensor = torch.empty(sizes, dtype=dtype)
+        self.got[index] = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """The bytes are already where ``resolve_tensor`` put them."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.got[read_item.storage_index] = value.getvalue()
+        self.got[read_item.storage_index] = memoryview(bytearray(value.getbuffer()))
 
     def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
@@ -119,24 +141,14 @@ class _Capture(LoadPlanner):
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
         raise NotImplementedError
 
-    def resolve_tensor(self, read_item: ReadItem) -> Any:
-        raise NotImplementedError
-
-    def commit_tensor(self, read_item: ReadItem, tensor: Any) -> None:
-        raise NotImplementedError
-
-
-def _whole(index: MetadataIndex) -> ReadItem:
-    """A request for a stored item's bytes, whole."""
-    empty = torch.Size([])
-    return ReadItem(
-        type=LoadItemType.BYTE_IO,
-        dest_index=index,
-        dest_offsets=empty,
-        storage_index=index,
-        storage_offsets=empty,
-        lengths=empty,
-    )
+    def whole(self, index: MetadataIndex) -> ReadItem:
+        """A request for a stored item, whole: a tensor chunk as a tensor, an object as bytes."""
+        if index.offset is None:
+            empty = torch.Size([])
+            return ReadItem(LoadItemType.BYTE_IO, index, empty, index, empty, empty)
+        sizes, _ = self.catalog.chunks[(index.fqn, tuple(index.offset))]
+        zeros = torch.Size([0] * len(sizes))
+        return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(sizes))
 
 
 def read_shared(
@@ -199,7 +211,11 @@ def _send_and_receive(
                 pairs[(exchange.readers[key], needer)].append(key)
     keys_of = {
         Transfer(
-            f"{len(keys)} shared item(s) from {keys[0][0]}", src, dst, sum(exchange.lengths[k] for k in keys)
+            f"{len(keys)} shared item(s) from {keys[0][0]}",
+            src,
+            dst,
+            sum(exchange.lengths[k] for k in keys),
+            tuple(exchange.lengths[k] for k in keys),
         ): keys
         for (src, dst), keys in sorted(pairs.items())
     }
@@ -207,7 +223,7 @@ def _send_and_receive(
 
     def source(t: Transfer) -> MemorySource:
         # a damaged item goes as zeros: the receivers' checks name it
-        return MemorySource([data.get(k, memoryview(bytes(exchange.lengths[k]))) for k in keys_of[t]])
+        return MemorySource([data.get(k, memoryview(bytearray(exchange.lengths[k]))) for k in keys_of[t]])
 
     def sink(t: Transfer) -> MemorySink:
         sinks[t] = MemorySink(t.size)
@@ -237,16 +253,20 @@ def _read_window(
     errors: list[str],
 ) -> tuple[dict[Key, memoryview], ReadCounts]:
     """The items this rank reads in one window, whole and checked; a damaged one is left out (in ``errors``)."""
-    capture = _Capture()
+    capture = _Capture(catalog)
     try:
-        counts = read_items([_whole(index_of[k][0]) for k in keys], capture, catalog, engine, pool, config, True)
+        counts = read_items([capture.whole(index_of[k][0]) for k in keys], capture, catalog, engine, pool, config, True)
     except CorruptCheckpointError:
         # tell which items are damaged: read them one by one (rare: only a damaged checkpoint gets here)
+        capture.got.clear()
         counts = ReadCounts(0, 0, 0)
         for key in keys:
+            index = index_of[key][0]
             try:
-                c = read_items([_whole(index_of[key][0])], capture, catalog, engine, pool, config, True)
-                counts = ReadCounts(counts.read + c.read, counts.needed + c.needed, counts.requests + c.requests)
+                c = read_items([capture.whole(index)], capture, catalog, engine, pool, config, True)
             except CorruptCheckpointError as e:
+                capture.got.pop(index, None)  # its memory was handed out before its check failed
                 errors.append(str(e))
-    return {k: memoryview(capture.got[index_of[k][0]]) for k in keys if index_of[k][0] in capture.got}, counts
+                continue
+            counts = ReadCounts(counts.read + c.read, counts.needed + c.needed, counts.requests + c.requests)
+    return {k: capture.got[index_of[k][0]] for k in keys if index_of[k][0] in capture.got}, counts

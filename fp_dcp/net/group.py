@@ -10,12 +10,22 @@ queued it.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group"]
+__all__ = ["Group", "NODE_ENV", "node_name"]
+
+NODE_ENV = "FP_DCP_NODE"
+
+
+def node_name() -> str:
+    """This process's node (what shares a local disk): ``FP_DCP_NODE`` if set, else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
 
 T = TypeVar("T")
 

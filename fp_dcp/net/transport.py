@@ -18,15 +18,18 @@ Memory: four chunks per rank, whatever the files' sizes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
+import itertools
 import os
 import secrets
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ..io.files import fsync_directory, fsync_path
 from ..units import MiB
@@ -54,6 +57,16 @@ class Transfer:
     src: int
     dst: int
     size: int  # the bytes to send (a longer file sends only these)
+    parts: tuple[int, ...] = ()  # a stream from memory: the sizes of its pieces, which no message spans
+
+    def messages(self, chunk: int) -> list[tuple[int, int]]:
+        """(offset, length) of each message, the same on both sides: at most ``chunk`` bytes, within a part."""
+        out = []
+        at = 0
+        for part in self.parts or (self.size,):
+            out += [(at + start, min(chunk, part - start)) for start in range(0, part, chunk)]
+            at += part
+        return out
 
 
 class Check(Protocol):
@@ -79,11 +92,18 @@ class Sink(Protocol):
 
 
 class MemorySink:
-    """Receives into a buffer of the transfer's size; checks nothing (the caller does)."""
+    """Receives into a buffer of the transfer's size, straight from the wire; checks nothing (the caller does)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = bytearray(size)
         self._at = 0
+
+    def tensor(self, at: int, n: int) -> torch.Tensor:
+        """Bytes ``at`` to ``at + n`` of the buffer, as a tensor to receive into."""
+        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=n, offset=at)
+
+    def filled(self, n: int) -> None:
+        self._at = n
 
     def write(self, data: memoryview) -> None:
         self.buffer[self._at : self._at + len(data)] = data
@@ -97,27 +117,24 @@ class MemorySink:
 
 
 class MemorySource:
-    """Sends pieces of memory one after another, as one stream (a file-like ``readinto``)."""
+    """Pieces of memory sent one after another as one stream, straight from where they are.
+
+    The transfer's ``parts`` must be the pieces' sizes.
+    """
 
     def __init__(self, pieces: Sequence[memoryview]) -> None:
         self._pieces = [memoryview(p).cast("B") for p in pieces]
-        self._k = 0
-        self._at = 0
+        self._starts = list(itertools.accumulate([0] + [len(p) for p in self._pieces]))
 
-    def readinto(self, view: memoryview) -> int:
-        done = 0
-        while done < len(view) and self._k < len(self._pieces):
-            piece = self._pieces[self._k]
-            n = min(len(view) - done, len(piece) - self._at)
-            view[done : done + n] = piece[self._at : self._at + n]
-            done += n
-            self._at += n
-            if self._at == len(piece):
-                self._k, self._at = self._k + 1, 0
-        return done
+    @property
+    def parts(self) -> tuple[int, ...]:
+        return tuple(len(p) for p in self._pieces)
 
-    def close(self) -> None:
-        """Nothing to release."""
+    def tensor(self, at: int, n: int) -> torch.Tensor:
+        """Bytes ``at`` to ``at + n`` of the stream (within one piece), as a tensor to send."""
+        k = bisect.bisect_right(self._starts, at) - 1
+        offset = at - self._starts[k]
+        return torch.frombuffer(self._pieces[k], dtype=torch.uint8, count=n, offset=offset)
 
 
 class FileSink:
@@ -217,29 +234,29 @@ class Transport:
         return self._buffers[k]
 
     def _send(self, t: Transfer, origin: str | MemorySource) -> None:
-        f: io.BufferedReader | MemorySource | None = None
+        if isinstance(origin, MemorySource):  # straight from memory: no copy
+            self.group.send(torch.tensor([t.size], dtype=torch.int64), t.dst).wait()
+            works = [self.group.send(origin.tensor(at, n), t.dst) for at, n in t.messages(self.chunk)]
+            for work in works:
+                work.wait()
+            self.sent += t.size
+            return
+        f: io.BufferedReader | None = None
         try:
-            if isinstance(origin, MemorySource):
-                f, readable = origin, True
-            else:
-                f = open(origin, "rb")
-                readable = os.fstat(f.fileno()).st_size >= t.size
+            f = open(origin, "rb")
+            readable = os.fstat(f.fileno()).st_size >= t.size
         except OSError:
             readable = False
         try:
-            header = torch.tensor([t.size if readable else -1], dtype=torch.int64)
-            self.group.send(header, t.dst).wait()
+            self.group.send(torch.tensor([t.size if readable else -1], dtype=torch.int64), t.dst).wait()
             if not readable:
                 return
             assert f is not None
-            pending: list[object] = [None, None]
-            sent = 0
-            k = 0
-            while sent < t.size:
-                n = min(self.chunk, t.size - sent)
-                work = pending[k % 2]
-                if work is not None:
-                    work.wait()  # type: ignore[attr-defined]
+            pending: list[dist.Work | None] = [None, None]
+            for k, (_, n) in enumerate(t.messages(self.chunk)):
+                previous = pending[k % 2]
+                if previous is not None:
+                    previous.wait()
                 buf = self._buffer(k % 2)
                 view = buf.numpy().data[:n]
                 got = 0
@@ -252,11 +269,9 @@ class Transport:
                 if got < n:
                     buf[got:n] = 0  # a read error now: the receiver's checks fail on these bytes
                 pending[k % 2] = self.group.send(buf[:n], t.dst)
-                sent += n
-                k += 1
-            for work in pending:
-                if work is not None:
-                    work.wait()  # type: ignore[attr-defined]
+            for last in pending:
+                if last is not None:
+                    last.wait()
             self.sent += t.size
         finally:
             if f is not None:
@@ -268,25 +283,33 @@ class Transport:
         size = int(header[0])
         if size < 0:
             return [f"rank {t.src} had no readable copy of {t.key} to send"]
+        if size != t.size:
+            raise RuntimeError(f"rank {t.src} sends {size} bytes for {t.key}, {t.size} expected: the ranks disagree")
         target: Sink | None = None
         problems: list[str] = []
         try:
             target = sink(t)
         except OSError as e:
             problems.append(f"cannot create the copy of {t.key}: {e}")
-        chunks = [(start, min(self.chunk, size - start)) for start in range(0, size, self.chunk)]
-        pending = self.group.irecv(self._buffer(2)[: chunks[0][1]], t.src) if chunks else None
-        for k, (_, n) in enumerate(chunks):
-            assert pending is not None
-            pending.wait()
-            buf = self._buffer(2 + k % 2)[:n]
-            if k + 1 < len(chunks):  # the next chunk arrives while this one is written
-                pending = self.group.irecv(self._buffer(2 + (k + 1) % 2)[: chunks[k + 1][1]], t.src)
-            if target is not None and not problems:
-                try:
-                    target.write(buf.numpy().data)
-                except OSError as e:  # keep receiving: the sender's messages must all be taken
-                    problems.append(f"cannot write the copy of {t.key}: {e}")
+        messages = t.messages(self.chunk)
+        if isinstance(target, MemorySink):  # straight into its memory: no copy
+            works = [self.group.irecv(target.tensor(at, n), t.src) for at, n in messages]
+            for work in works:
+                work.wait()
+            target.filled(size)
+        else:
+            pending = self.group.irecv(self._buffer(2)[: messages[0][1]], t.src) if messages else None
+            for k, (_, n) in enumerate(messages):
+                assert pending is not None
+                pending.wait()
+                buf = self._buffer(2 + k % 2)[:n]
+                if k + 1 < len(messages):  # the next chunk arrives while this one is written
+                    pending = self.group.irecv(self._buffer(2 + (k + 1) % 2)[: messages[k + 1][1]], t.src)
+                if target is not None and not problems:
+                    try:
+                        target.write(buf.numpy().data)
+                    except OSError as e:  # keep receiving: the sender's messages must all be taken
+                        problems.append(f"cannot write the copy of {t.key}: {e}")
         self.received += size
         if target is None:
             return problems

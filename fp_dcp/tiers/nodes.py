@@ -10,19 +10,10 @@ so that simulated nodes get a directory each.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 
-from ..net.group import Group
+from ..net.group import NODE_ENV, Group, node_name
 
 __all__ = ["NODE_ENV", "Nodes", "node_name", "expand_root"]
-
-NODE_ENV = "FP_DCP_NODE"
-
-
-def node_name() -> str:
-    """This process's node: ``FP_DCP_NODE`` if set, else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 def expand_root(root: str, node: str) -> str:

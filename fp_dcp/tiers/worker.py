@@ -7,6 +7,8 @@ the same order without further agreement.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from ..log import log
 
 __all__ = ["Worker"]
+
+_NICE = 10
 
 
 class Worker:
@@ -49,6 +53,9 @@ class Worker:
         self._thread.join()
 
     def _run(self) -> None:
+        # Background copies yield the CPU to training and to the saves themselves (Linux: nice is per thread).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
         while (entry := self._jobs.get()) is not None:
             step, job = entry
             try:

@@ -16,6 +16,9 @@ median GB/s, CPU-seconds per GB (user + system, all threads), the growth of
 resident memory during the save (over the state dict already held), and load
 GB/s with the checkpoint's pages evicted from the page
 cache first (posix_fadvise DONTNEED per file, plus drop_caches when root).
+Per save also the disk's own view (``fp_dcp.io.diskstats``): the write
+requests it had in flight on average and their average size, so a queue
+shallower than fio's is visible on any disk.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import FastPersistReader, FastPersistWriter, engine_info
+from ..io.diskstats import DiskCounters, disk_of
 from ..io.files import fsync_path
 from ..units import MiB
 
@@ -161,6 +165,8 @@ class Method:
         self.cpu_per_gb: list[float] = []
         self.peak_rss: list[int] = []
         self.load_gbps: list[float] = []
+        self.in_flight: list[float] = []  # write requests the disk had in flight, on average over the save
+        self.request_kib: list[float] = []  # average write request the disk saw
 
 
 def build_methods(
@@ -234,15 +240,22 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
     workdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=directory)
     methods = build_methods(sd, size, target, threads, workdir)
     rss = PeakRSS()
+    disk = disk_of(workdir)
     try:
         for rep in range(repeats):
             for m in methods:
                 path = os.path.join(workdir, f"{rep}-{m.name.replace(' ', '_').replace('=', '')}")
                 who = resource.RUSAGE_CHILDREN if m.name in (DD, FIO) else resource.RUSAGE_SELF
+                before = DiskCounters.read(disk)
                 cpu0, t0 = cpu_seconds(who), time.perf_counter()
                 with rss.watch():
                     m.save(path)
                 seconds, cpu = time.perf_counter() - t0, cpu_seconds(who) - cpu0
+                after = DiskCounters.read(disk)
+                if before is not None and after is not None:
+                    depth, kib = after.since(before, seconds)
+                    m.in_flight.append(depth)
+                    m.request_kib.append(kib)
                 m.save_gbps.append(size / seconds / GB)
                 m.cpu_per_gb.append(cpu / (size / GB))
                 m.peak_rss.append(rss.peak - rss.start)
@@ -270,6 +283,8 @@ def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
             "cpu_s_per_gb": med(m.cpu_per_gb),
             "peak_rss_growth_mib": max(m.peak_rss) / MiB,
             "load_gbps": med(m.load_gbps) if m.load_gbps else None,
+            "in_flight": med(m.in_flight) if m.in_flight else None,
+            "request_kib": med(m.request_kib) if m.request_kib else None,
             "runs_save_gbps": m.save_gbps,
         }
         for m in methods
@@ -332,11 +347,17 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}"
     )
     print(f"loads read cold: {r['cache_eviction']}\n")
-    print(f"{'method':<24}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}")
+    print(
+        f"{'method':<24}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}"
+        f"{'in flight':>11}{'req KiB':>9}"
+    )
     for name, row in r["methods"].items():
         load = f"{row['load_gbps']:.2f}" if row["load_gbps"] is not None else "-"
+        depth = f"{row['in_flight']:.1f}" if row["in_flight"] is not None else "-"
+        kib = f"{row['request_kib']:.0f}" if row["request_kib"] is not None else "-"
         print(
-            f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}{load:>11}"
+            f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}"
+            f"{load:>11}{depth:>11}{kib:>9}"
         )
     q = r["ratios"]
     if q["save_vs_fio"] is not None:
@@ -352,7 +373,9 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         f"load = {q['load_vs_filesystemreader']:.2f} x FileSystemReader; "
         f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB"
     )
-    print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds)")
+    print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds;")
+    print(" in flight, req KiB: write requests the disk had queued on average during the save, and their average size,")
+    print(" from /proc/diskstats: a shallow queue or small requests where fio keeps the disk busier is lost speed)")
     for bar, ok in r["bars"].items():
         print(f"  [{'ok' if ok else 'MISSED'}] {bar}")
 

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Loads of a replicated state on 4 gloo ranks: fp-dcp sharing on, sharing off, and torch's FileSystemReader.
+
+    python benchmarks/load_sharing_bench.py [--gb 2] [--dir DIR] [--rounds 2]
+
+A state of ``--gb`` GB (float32 tensors of 64 MiB) is saved once, by one
+process, with fp-dcp and with torch's ``FileSystemWriter``. Then 4 ranks
+each load all of it (what a new data-parallel job or an inference fleet
+does), cold: the page cache is dropped before each load. Reported per
+reader: wall time, the bytes the disk served (``/proc/diskstats`` of the
+device holding the directory, summed over the load), and fp-dcp's own
+counts (read from storage, received from peers). Rounds alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ranks import spawn
+
+MiB = 1 << 20
+
+
+def state(gb: float):
+    import torch
+
+    n = max(1, int(gb * 1e9 / (64 * MiB)))
+    return {f"layer{i}.w": torch.full((16 * MiB,), float(i)) for i in range(n)}
+
+
+def load(rank: int, world: int, path: str, gb: float, reader: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistReader
+
+    target = {k: torch.empty_like(v) for k, v in state(gb).items()}
+    for v in target.values():
+        v.zero_()  # touched: the load measures the disk and the network, not page faults
+    r = FastPersistReader(path, share=reader == "shared") if reader != "stock" else dcp.FileSystemReader(path)
+    dist.barrier()
+    start = time.perf_counter()
+    dcp.load(target, storage_reader=r)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    ok = all(torch.equal(target[k], v) for k, v in state(gb).items())
+    last = getattr(r, "last_load", None)
+    return {
+        "seconds": seconds,
+        "ok": ok,
+        "read": last.read_bytes if last else 0,
+        "received": last.received_bytes if last else 0,
+    }
+
+
+def device_of(path: str) -> str:
+    dev = os.stat(path).st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def sectors_read(device: str) -> int:
+    """Sectors read so far from the block device ``major:minor`` (its whole disk if a partition)."""
+    major, minor = device.split(":")
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0] == major and fields[1] == minor:
+                return int(fields[5])
+    raise RuntimeError(f"device {device} is not in /proc/diskstats")
+
+
+def drop_caches() -> None:
+    os.sync()
+    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    import torch.distributed.checkpoint as dcp
+
+    from fp_dcp import FastPersistWriter
+
+    base = tempfile.mkdtemp(prefix="fp-dcp-share-bench-", dir=args.dir)
+    try:
+        fp, stock = os.path.join(base, "fp"), os.path.join(base, "stock")
+        dcp.save(state(args.gb), storage_writer=FastPersistWriter(fp), no_dist=True)
+        dcp.save(state(args.gb), storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
+        size = sum(os.path.getsize(os.path.join(fp, n)) for n in os.listdir(fp))
+        device = device_of(base)
+        rows: dict[str, list[tuple[float, int, list[dict]]]] = {"shared": [], "unshared": [], "stock": []}
+        for _ in range(args.rounds):
+            for reader, path in (("shared", fp), ("unshared", fp), ("stock", stock)):
+                drop_caches()
+                before = sectors_read(device)
+                results = spawn(4, load, path, args.gb, reader)
+                disk = (sectors_read(device) - before) * 512
+                assert all(r["ok"] for r in results), (reader, results)
+                rows[reader].append((max(r["seconds"] for r in results), disk, results))
+        print(
+            f"4 ranks each loading all of a {size / 1e9:.2f} GB replicated state, cold cache, "
+            f"median of {args.rounds} alternating rounds:"
+        )
+        for reader, label in (
+            ("shared", "fp-dcp, sharing on"),
+            ("unshared", "fp-dcp, sharing off"),
+            ("stock", "torch FileSystemReader"),
+        ):
+            seconds = statistics.median(r[0] for r in rows[reader])
+            disk = statistics.median(r[1] for r in rows[reader])
+            received = statistics.median(sum(x["received"] for x in r[2]) for r in rows[reader])
+            print(
+                f"  {label:<24} {seconds:6.2f} s  disk read {disk / size:4.2f}x the checkpoint  "
+                f"received from peers {received / 1e9:5.2f} GB"
+            )
+        on = statistics.median(r[0] for r in rows["shared"])
+        print(
+            f"  wall time sharing on / off: {on / statistics.median(r[0] for r in rows['unshared']):.2f}x; "
+            f"on / FileSystemReader: {on / statistics.median(r[0] for r in rows['stock']):.2f}x"
+        )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

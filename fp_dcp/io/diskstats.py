@@ -1,0 +1,62 @@
+"""What the block device under a directory did: requests, their sizes and how many were in flight.
+
+From ``/proc/diskstats`` (Linux): the kernel's count of completed write
+requests, sectors written and the time-weighted number of requests in flight
+("weighted milliseconds doing I/O"), for the whole disk under the directory.
+Two snapshots around a save give the average queue depth the device saw and
+the average request size, which tell a shallow queue or small requests from
+a slow disk. None where the device cannot be found (no /proc/diskstats, a
+network or overlay filesystem); other processes' I/O to the same disk counts too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["DiskCounters", "disk_of"]
+
+
+def disk_of(directory: str) -> str | None:
+    """The name in /proc/diskstats of the block device holding ``directory`` (the disk, not a partition)."""
+    dev = os.stat(directory).st_dev
+    sys_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    try:
+        real = os.path.realpath(sys_path)
+    except OSError:
+        return None
+    if not os.path.exists(real):
+        return None
+    # a partition's directory sits inside its disk's
+    if os.path.exists(os.path.join(real, "partition")):
+        real = os.path.dirname(real)
+    return os.path.basename(real)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskCounters:
+    """One snapshot of a disk's write counters."""
+
+    writes: int  # write requests completed
+    sectors_written: int  # 512-byte sectors
+    weighted_ms: int  # milliseconds x requests in flight, reads and writes
+
+    @classmethod
+    def read(cls, disk: str | None) -> DiskCounters | None:
+        if disk is None:
+            return None
+        try:
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 13 and fields[2] == disk:
+                        return cls(int(fields[7]), int(fields[9]), int(fields[13]))
+        except OSError:
+            return None
+        return None
+
+    def since(self, earlier: DiskCounters, seconds: float) -> tuple[float, float]:
+        """(requests in flight on average over ``seconds``, average write request in KiB) since ``earlier``."""
+        writes = self.writes - earlier.writes
+        size = (self.sectors_written - earlier.sectors_written) * 512 / writes / 1024 if writes else 0.0
+        return (self.weighted_ms - earlier.weighted_ms) / (seconds * 1000), size
