@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from dist_util import run_ranks
 from tiers_util import (
     EnvRank,
@@ -21,7 +22,8 @@ from tiers_util import (
     slow_drain_run,
 )
 
-from fp_dcp import list_steps
+from fp_dcp import CheckpointManager, DurableStorageError, list_steps
+from fp_dcp.tiers import PosixStore, Retry
 
 WORLD = 4
 
@@ -144,3 +146,35 @@ def test_f_an_incremental_run_drains_only_the_files_that_changed(tmp_path):
     drop_node(tmp, "a")
     drop_node(tmp, "b")
     assert run_ranks(WORLD, incremental_restore, tmp) == [(2, True)] * WORLD
+
+
+class BrokenStore(PosixStore):
+    """A durable directory whose uploads always fail: a store that is down for good."""
+
+    retry = Retry(attempts=3, delay=0.01)
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.attempts = 0
+
+    def put_file(self, key, source, size, check):
+        self.attempts += 1
+        raise ConnectionError("the store refuses the connection")
+
+
+def test_a_failing_drain_is_retried_reported_and_never_stops_training(tmp_path, caplog):
+    store = BrokenStore(str(tmp_path / "durable"))
+    with CheckpointManager(tmp_path / "run-{node}", durable=store, raise_durable_errors=True) as mgr:
+        state = {"w": torch.arange(1000.0)}
+        mgr.save(1, state)  # returns: the drain runs behind it
+        mgr.wait_for_copies()
+        assert store.attempts == 3  # retried with backoff, then given up
+        assert isinstance(mgr.durable_error, DurableStorageError)
+        assert "refuses the connection" in str(mgr.durable_error)
+        assert "step 1 was not copied" in caplog.text or "drain of step 1" in caplog.text
+        with pytest.raises(DurableStorageError, match="step 1 was not copied"):
+            mgr.save(2, state)  # asked to: the next save raises it, once
+        mgr.save(2, state)
+        mgr.wait()
+        assert [(s.step, s.status) for s in mgr.steps()][-1] == (2, "complete")  # the local tier went on all along
+    assert not os.path.exists(tmp_path / "durable" / "step-1" / ".metadata")  # nothing committed

@@ -12,7 +12,16 @@ from __future__ import annotations
 from .drain import DURABLE_NAME
 from .layout import NODE_MARKER
 from .replication import REPLICATED_NAME
-from .store import DurableStore, FsspecStore, PosixStore
+from .store import DurableStore, FsspecStore, PosixStore, Retry
 from .tiers import Tiers
 
-__all__ = ["Tiers", "DurableStore", "PosixStore", "FsspecStore", "REPLICATED_NAME", "DURABLE_NAME", "NODE_MARKER"]
+__all__ = [
+    "Tiers",
+    "DurableStore",
+    "PosixStore",
+    "FsspecStore",
+    "Retry",
+    "REPLICATED_NAME",
+    "DURABLE_NAME",
+    "NODE_MARKER",
+]

@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import time
-from collections.abc import Callable
 
 from ..errors import CheckpointError
 from ..format import METADATA_NAME
@@ -53,18 +51,7 @@ class Drained:
         return not self.problems
 
 
-@dataclasses.dataclass(frozen=True)
-class Retry:
-    """How store calls are retried: ``attempts`` in all, waiting ``delay``, then twice as long each time."""
-
-    attempts: int = 5
-    delay: float = 0.5
-    sleep: Callable[[float], None] = time.sleep
-
-
-def drain(
-    step: int, directory: str, store: DurableStore, nodes: Nodes, group: Group, keep: int, retry: Retry
-) -> Drained:
+def drain(step: int, directory: str, store: DurableStore, nodes: Nodes, group: Group, keep: int) -> Drained:
     """Copy the step in ``directory`` (this node's copy) to ``store``; every rank calls this."""
     name = step_name(step)
     layout: StepLayout | None = None
@@ -90,7 +77,7 @@ def drain(
     mine: list[str] = []
     for key in (k for k in missing if assigned.get(k) == group.rank):
         upload = functools.partial(_upload, store, key, os.path.join(root, key), files[key], layout)
-        found = retrying(upload, retry.attempts, retry.delay, retry.sleep)
+        found = retrying(upload, store.retry)
         if found:
             mine += [f"{store.url}/{key}: {p}" for p in found[:2]]
         else:
@@ -105,7 +92,7 @@ def drain(
             store.put_bytes(f"{name}/{METADATA_NAME}", data)
             return []
 
-        problems += retrying(commit, retry.attempts, retry.delay, retry.sleep)
+        problems += retrying(commit, store.retry)
         if not problems:
             prune_durable(store, keep)
     problems = group.broadcast(problems)

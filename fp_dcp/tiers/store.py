@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,15 +26,33 @@ from ..io.files import fsync_directory, replace_durably
 from ..load.verify import StreamCheck
 from ..units import MiB
 
-__all__ = ["DurableStore", "PosixStore", "FsspecStore", "open_store", "retrying"]
+__all__ = ["DurableStore", "PosixStore", "FsspecStore", "Retry", "open_store", "retrying"]
 
 _CHUNK = 8 * MiB
 
 
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """How a store's calls are retried: ``attempts`` in all, waiting ``delay`` s, then twice as long each time.
+
+    The default rides out about 7.5 s of trouble per file (a throttled or
+    restarting object store) before the drain of that step is reported failed.
+    """
+
+    attempts: int = 5
+    delay: float = 0.5
+    sleep: Callable[[float], None] = time.sleep
+
+
 class DurableStore(abc.ABC):
-    """Where drained steps are kept; ``key`` is a path relative to the run's durable root (``step-N/name``)."""
+    """Where drained steps are kept; ``key`` is a path relative to the run's durable root (``step-N/name``).
+
+    ``retry`` says how the drain retries its calls (a class attribute: set it
+    on a subclass or an instance).
+    """
 
     url: str
+    retry: Retry = Retry()
 
     @abc.abstractmethod
     def inventory(self) -> dict[str, dict[str, int]]:
@@ -223,16 +243,16 @@ def open_store(durable: str | os.PathLike[str] | DurableStore) -> DurableStore:
     return FsspecStore(text) if "://" in text else PosixStore(text)
 
 
-def retrying(action: Callable[[], list[str]], attempts: int, delay: float, sleep: Callable[[float], None]) -> list[str]:
-    """Run ``action`` until it returns no problem, ``attempts`` times at most, waiting longer each time.
+def retrying(action: Callable[[], list[str]], retry: Retry) -> list[str]:
+    """Run ``action`` until it returns no problem, ``retry.attempts`` times at most, waiting longer each time.
 
     An exception counts as a problem of that attempt (network and server
     errors are transient more often than not); the last attempt's problems are returned.
     """
     problems: list[str] = []
-    for attempt in range(attempts):
+    for attempt in range(retry.attempts):
         if attempt:
-            sleep(delay * 2 ** (attempt - 1))
+            retry.sleep(retry.delay * 2 ** (attempt - 1))
         try:
             problems = action()
         except Exception as e:  # any failure of a store call: retried, then reported, never raised into training

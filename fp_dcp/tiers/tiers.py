@@ -26,10 +26,10 @@ from ..format import METADATA_NAME
 from ..log import log
 from ..net.group import Group
 from ..net.transport import Transport, remove_partials
-from .drain import Drained, Retry, drain, prune_durable
-from .layout import mark_node, publish_metadata, step_name
+from .drain import Drained, drain, prune_durable
+from .layout import mark_node, parse_step_name, publish_metadata, step_name
 from .nodes import Nodes, expand_root, node_name
-from .replication import Replicated, replicate
+from .replication import REPLICATED_NAME, Replicated, replicate
 from .restore import Fetched, fetch_step
 from .store import DurableStore, open_store
 from .worker import Worker
@@ -49,7 +49,6 @@ class Tiers:
         durable_every_n_steps: int,
         keep_durable: int,
         process_group: dist.ProcessGroup | None,
-        retry: Retry | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1 (the node's own copy), got {replicas}")
@@ -67,7 +66,6 @@ class Tiers:
         self.store = open_store(durable) if durable is not None else None
         self.every = durable_every_n_steps
         self.keep_durable = keep_durable
-        self.retry = retry or Retry()
         # the groups are made on every rank, in this order, whether or not this rank uses them
         self.replication = Transport(Group.new()) if replicas > 1 else None
         self.drainage = Group.new() if self.store is not None else None
@@ -130,7 +128,7 @@ class Tiers:
 
     def _drain(self, step: int, directory: str) -> None:
         assert self.store is not None and self.drainage is not None
-        result = drain(step, directory, self.store, self.nodes, self.drainage, self.keep_durable, self.retry)
+        result = drain(step, directory, self.store, self.nodes, self.drainage, self.keep_durable)
         self.last_drain = result
         if not result.ok:
             self.durable_error = DurableStorageError(
@@ -138,9 +136,28 @@ class Tiers:
             )
 
     def busy(self) -> set[int]:
-        """The steps replication or the drain still read on this rank: retention must keep them."""
-        owed = {self._owed} if self._owed is not None else set()
-        return owed.union(*(w.steps() for w in (self._replicator, self._drainer) if w is not None))
+        """The steps local retention must keep now, whatever its rule says.
+
+        Those replication or the drain still read on this rank, and, with
+        replicas, the newest step whose replication completed: until a newer
+        one is replicated too, it is the newest step that survives losing
+        this node.
+        """
+        kept = {self._owed} if self._owed is not None else set()
+        if self.replicas > 1 and (replicated := self._newest_replicated()) is not None:
+            kept.add(replicated)
+        return kept.union(*(w.steps() for w in (self._replicator, self._drainer) if w is not None))
+
+    def _newest_replicated(self) -> int | None:
+        """The newest step of this node's root recorded as replicated (``.replicated``), read from the disk."""
+        found = [
+            step
+            for name in (os.listdir(self.root) if os.path.isdir(self.root) else [])
+            if (step := parse_step_name(name)) is not None
+            and os.path.exists(os.path.join(self.root, name, REPLICATED_NAME))
+            and os.path.exists(os.path.join(self.root, name, METADATA_NAME))
+        ]
+        return max(found, default=None)
 
     def wait(self) -> None:
         """Until the replication and drain of every step published so far have finished (or failed).

@@ -224,9 +224,8 @@ class CheckpointManager:
         incremental run) raises ``ValueError``: it would damage that step.
         """
         self.wait()
-        error = self.tiers.durable_error if self.tiers is not None else None
-        if error is not None and self.raise_durable_errors:
-            self.tiers.durable_error = None  # type: ignore[union-attr]  # raised once
+        if self.raise_durable_errors and self.tiers is not None and self.tiers.durable_error is not None:
+            error, self.tiers.durable_error = self.tiers.durable_error, None  # raised once
             raise error
         user = self._agree(user_of(self.root, step) if self.is_coordinator else None)
         if user is not None:
