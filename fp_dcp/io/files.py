@@ -11,6 +11,7 @@ import contextlib
 import errno as errno_mod
 import fcntl
 import os
+import secrets
 from collections.abc import Callable
 
 from .. import _cio
@@ -25,6 +26,7 @@ __all__ = [
     "fsync_directory",
     "ReplaceFailedError",
     "replace_durably",
+    "write_durably",
 ]
 
 # Our file layout guarantees co-alignment modulo one page; a filesystem that
@@ -151,3 +153,14 @@ def replace_durably(path: str, tmp: str, write: Callable[[str], None]) -> None:
             raise ReplaceFailedError(e.errno, f"{e.strerror} (writing {os.path.basename(path)})", tmp) from e
         raise
     fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_durably(path: str, data: bytes | str, tmp: str | None = None) -> None:
+    """Make ``path`` hold ``data``, atomically and durably (``replace_durably``; ``tmp`` defaults to a unique name)."""
+    content = data.encode() if isinstance(data, str) else data
+
+    def write(name: str) -> None:
+        with open(name, "xb") as f:
+            f.write(content)
+
+    replace_durably(path, tmp or f"{path}.{secrets.token_hex(4)}.tmp", write)

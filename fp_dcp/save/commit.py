@@ -65,12 +65,8 @@ def publish(directory: str, metadata_bytes: bytes, token: str) -> None:
     ``.metadata`` is then in place.
     """
 
-    def write(tmp: str) -> None:
-        with open(tmp, "xb") as f:
-            f.write(metadata_bytes)
-
     tmp = os.path.join(directory, f"{_TMP_PREFIX}{token}{_TMP_SUFFIX}")
-    files.replace_durably(os.path.join(directory, METADATA_NAME), tmp, write)
+    files.write_durably(os.path.join(directory, METADATA_NAME), metadata_bytes, tmp)
 
 
 def remove_unreferenced(directory: str, keep: set[str], replaced: set[str]) -> list[str]:

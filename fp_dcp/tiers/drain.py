@@ -25,7 +25,7 @@ import os
 
 from ..errors import CheckpointError
 from ..format import METADATA_NAME
-from ..io.files import replace_durably
+from ..io.files import write_durably
 from ..log import log
 from ..net.group import Group
 from .layout import StepLayout, files_in_metadata, parse_step_name, step_name
@@ -99,8 +99,7 @@ def drain(step: int, directory: str, store: DurableStore, nodes: Nodes, group: G
     if problems:
         return _failed(step, problems, group)
     if group.rank == nodes.leader(nodes.names[group.rank]):
-        marker = os.path.join(directory, DURABLE_NAME)
-        replace_durably(marker, marker + ".tmp", _touch)
+        write_durably(os.path.join(directory, DURABLE_NAME), b"")
     return Drained(step, [], uploaded, len(files) - len(missing))
 
 
@@ -120,11 +119,6 @@ def _failed(step: int, problems: list[str], group: Group) -> Drained:
 
 def _upload(store: DurableStore, key: str, source: str, size: int, layout: StepLayout) -> list[str]:
     return store.put_file(key, source, size, layout.check(key))  # a fresh check for every attempt
-
-
-def _touch(path: str) -> None:
-    with open(path, "x"):
-        pass
 
 
 def _holds(root: str, key: str, size: int | None) -> bool:

@@ -19,8 +19,9 @@ from typing import Any
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..format import METADATA_NAME, RETIRED_NAME, decode_footer, parse_data_file_name
-from ..io.files import replace_durably
+from ..io.files import write_durably
 from ..load.verify import StreamCheck, items_by_file
+from ..save import commit
 
 __all__ = [
     "StepLayout",
@@ -110,15 +111,8 @@ def mark_referenced(directory: str, name: str) -> None:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         with open(marker) as f:
             listed = set(json.load(f)["files"])
-    if name in listed:
-        return
-    text = json.dumps({"files": sorted(listed | {name})})
-
-    def write(tmp: str) -> None:
-        with open(tmp, "x") as f:
-            f.write(text)
-
-    replace_durably(marker, f"{marker}.{secrets.token_hex(4)}.tmp", write)
+    if name not in listed:
+        write_durably(marker, json.dumps({"files": sorted(listed | {name})}))
 
 
 NODE_MARKER = ".node"  # in a node's directory of a step: the node's name (that copy may hold only its files)
@@ -127,16 +121,8 @@ NODE_MARKER = ".node"  # in a node's directory of a step: the node's name (that 
 def mark_node(directory: str, node: str) -> None:
     """Record that ``directory`` is ``node``'s copy of a step (``fp-dcp ls`` then calls missing files partial)."""
     marker = os.path.join(directory, NODE_MARKER)
-    with contextlib.suppress(FileNotFoundError):
-        with open(marker) as f:
-            if f.read() == node:
-                return
-
-    def write(tmp: str) -> None:
-        with open(tmp, "x") as f:
-            f.write(node)
-
-    replace_durably(marker, f"{marker}.{secrets.token_hex(4)}.tmp", write)
+    if not _holds(marker, node.encode()):
+        write_durably(marker, node)
 
 
 def publish_metadata(directory: str, data: bytes) -> None:
@@ -144,15 +130,14 @@ def publish_metadata(directory: str, data: bytes) -> None:
 
     Nothing is written when an identical copy is already there.
     """
-    target = os.path.join(directory, METADATA_NAME)
-    with contextlib.suppress(FileNotFoundError):
-        with open(target, "rb") as f:
-            if f.read() == data:
-                return
-    os.makedirs(directory, exist_ok=True)
+    if not _holds(os.path.join(directory, METADATA_NAME), data):
+        os.makedirs(directory, exist_ok=True)
+        commit.publish(directory, data, secrets.token_hex(8))
 
-    def write(tmp: str) -> None:
-        with open(tmp, "xb") as f:
-            f.write(data)
 
-    replace_durably(target, f"{target}.{secrets.token_hex(4)}.tmp", write)
+def _holds(path: str, data: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read() == data
+    except FileNotFoundError:
+        return False

@@ -16,7 +16,7 @@ import json
 import os
 
 from ..errors import CheckpointError
-from ..io.files import replace_durably
+from ..io.files import write_durably
 from ..log import log
 from ..net.group import Group
 from ..net.transport import FileSink, Transfer, Transport
@@ -84,13 +84,7 @@ def replicate(step: int, directory: str, nodes: Nodes, replicas: int, transport:
     result = Replicated(step, copies, problems, transport.sent - before)
     if result.ok and group.rank == nodes.leader(nodes.names[group.rank]):
         record = json.dumps({"replicas": replicas, "copies": copies}, sort_keys=True)
-
-        def write(tmp: str) -> None:
-            with open(tmp, "x") as f:
-                f.write(record)
-
-        target = os.path.join(directory, REPLICATED_NAME)
-        replace_durably(target, target + ".tmp", write)
+        write_durably(os.path.join(directory, REPLICATED_NAME), record)
     if not result.ok:
         log.warning("fp-dcp: step %d is not fully replicated: %s", step, "; ".join(problems[:3]))
     return result

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import _cio
 from ..format import METADATA_NAME
-from ..io.files import fsync_directory, replace_durably
+from ..io.files import fsync_directory, write_durably
 from ..load.verify import StreamCheck
 from ..units import MiB
 
@@ -154,12 +154,7 @@ class PosixStore(DurableStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         target = self._path(key)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-
-        def write(tmp: str) -> None:
-            with open(tmp, "xb") as f:
-                f.write(data)
-
-        replace_durably(target, f"{target}.{secrets.token_hex(4)}.part", write)
+        write_durably(target, data, f"{target}.{secrets.token_hex(4)}.part")
         self._checked(key, data)
 
     def chunks(self, key: str) -> Iterator[bytes]:

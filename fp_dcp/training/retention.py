@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from ..checkpoint import open_checkpoint, referenced_files
 from ..errors import CheckpointError
 from ..format import METADATA_NAME, RETIRED_NAME
-from ..io.files import fsync_directory, replace_durably
+from ..io.files import fsync_directory, write_durably
 from ..log import log
 from .steps import own_files, step_directories, step_directory, step_state
 
@@ -127,13 +127,7 @@ def _retire(root: str, path: str, used: set[str]) -> None:
         except (CheckpointError, OSError) as e:  # damaged: not restorable, but its files cannot be told apart
             log.warning("fp-dcp: cannot retire %s (its metadata cannot be read), leaving it: %s", path, e)
             return
-        listed = json.dumps({"files": [os.path.relpath(file, path) for file in own]})
-
-        def write(tmp: str) -> None:
-            with open(tmp, "x") as f:
-                f.write(listed)
-
-        replace_durably(marker, marker + ".tmp", write)
+        write_durably(marker, json.dumps({"files": [os.path.relpath(file, path) for file in own]}), marker + ".tmp")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, METADATA_NAME))
         fsync_directory(path)
