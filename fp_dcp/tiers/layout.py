@@ -32,6 +32,7 @@ __all__ = [
     "mark_referenced",
     "mark_node",
     "NODE_MARKER",
+    "list_tier",
 ]
 
 
@@ -43,6 +44,27 @@ def parse_step_name(name: str) -> int | None:
     """N of ``step-N``, else None."""
     number = name.removeprefix("step-")
     return int(number) if name.startswith("step-") and number.isdigit() else None
+
+
+def list_tier(root: str) -> dict[str, dict[str, int]]:
+    """{step directory: {file: size}} under a tier's root on a filesystem: data files and ``.metadata``.
+
+    Temporary and marker files (dot files) are left out, and so is the
+    ``.metadata`` of a retired step (a retirement cut short): it does not
+    make the step a checkpoint.
+    """
+    found: dict[str, dict[str, int]] = {}
+    for step in os.listdir(root) if os.path.isdir(root) else []:
+        directory = os.path.join(root, step)
+        if parse_step_name(step) is None or not os.path.isdir(directory):
+            continue
+        found[step] = {}
+        names = os.listdir(directory)
+        for name in names:
+            if not name.startswith(".") or (name == METADATA_NAME and RETIRED_NAME not in names):
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile: not there
+                    found[step][name] = os.stat(os.path.join(directory, name)).st_size
+    return found
 
 
 def files_in_metadata(step: str, data: bytes) -> dict[str, int]:

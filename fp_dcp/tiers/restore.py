@@ -30,7 +30,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import CheckpointError
-from ..format import METADATA_NAME, RETIRED_NAME, decode_metadata
+from ..format import METADATA_NAME, decode_metadata
 from ..load.verify import StreamCheck
 from ..log import log
 from ..net.group import Group
@@ -38,6 +38,7 @@ from ..net.transport import DEFAULT_CHUNK, FileSink, Transfer, Transport
 from .layout import (
     StepLayout,
     files_in_metadata,
+    list_tier,
     mark_node,
     mark_referenced,
     parse_step_name,
@@ -69,25 +70,6 @@ class Fetched:
         found = ", ".join(f"{n} file(s) from {where}" for where, n in sorted(counts.items()))
         damaged = f"; damaged copies not used: {'; '.join(self.damaged[:3])}" if self.damaged else ""
         return (found or "no file needed") + damaged
-
-
-def _inventory(root: str) -> dict[str, dict[str, int]]:
-    """{step directory: {file: size}} under a local root (no temporary files)."""
-    found: dict[str, dict[str, int]] = {}
-    for step in os.listdir(root) if os.path.isdir(root) else []:
-        directory = os.path.join(root, step)
-        if parse_step_name(step) is None or not os.path.isdir(directory):
-            continue
-        found[step] = {}
-        names = os.listdir(directory)
-        for name in names:
-            # a retired step's .metadata (a retirement cut short) does not make it a checkpoint
-            if not name.startswith(".") or (name == METADATA_NAME and RETIRED_NAME not in names):
-                try:
-                    found[step][name] = os.stat(os.path.join(directory, name)).st_size
-                except FileNotFoundError:
-                    continue
-    return found
 
 
 class _Tiers:
@@ -131,7 +113,7 @@ def fetch_step(
     """
     group = transport.group
     leader = group.rank == nodes.leader(nodes.names[group.rank])
-    inventories = group.all_gather(_inventory(root) if leader else None)
+    inventories = group.all_gather(list_tier(root) if leader else None)
     tiers: _Tiers | None = None
     if group.rank == 0:
         durable: dict[str, dict[str, int]] = {}

@@ -25,6 +25,7 @@ from ..format import METADATA_NAME
 from ..io.files import fsync_directory, write_durably
 from ..load.verify import StreamCheck
 from ..units import MiB
+from .layout import list_tier
 
 __all__ = ["DurableStore", "PosixStore", "FsspecStore", "Retry", "open_store", "retrying"]
 
@@ -115,17 +116,7 @@ class PosixStore(DurableStore):
         return os.path.join(self.root, key)
 
     def inventory(self) -> dict[str, dict[str, int]]:
-        found: dict[str, dict[str, int]] = {}
-        for step in os.listdir(self.root):
-            directory = self._path(step)
-            if not step.startswith("step-") or not os.path.isdir(directory):
-                continue
-            found[step] = {}
-            for name in os.listdir(directory):
-                with contextlib.suppress(FileNotFoundError):
-                    if not name.endswith(".part"):
-                        found[step][name] = os.stat(os.path.join(directory, name)).st_size
-        return found
+        return list_tier(self.root)
 
     def put_file(self, key: str, source: str, size: int, check: StreamCheck) -> list[str]:
         target = self._path(key)
