@@ -37,8 +37,10 @@ MAX_DIRECT_ALIGN = PAGE
 class DataFile:
     """An open file plus how it may be accessed.
 
-    ``align`` is the alignment direct I/O needs for memory addresses, file
-    offsets and lengths (1 for buffered files).
+    ``align`` is the alignment direct transfers keep to, for memory
+    addresses, file offsets and lengths: what the kernel needs for O_DIRECT,
+    and for files being written the filesystem's block too, up to a page
+    (1 for buffered files).
     """
 
     __slots__ = ("path", "fd", "direct", "align")
@@ -58,8 +60,8 @@ class DataFile:
         return f"DataFile({self.path!r}, direct={self.direct}, align={self.align})"
 
 
-def _direct_alignment(fd: int) -> int | None:
-    """Alignment O_DIRECT needs on this open file, or None if it is not in effect."""
+def _direct_alignment(fd: int, writing: bool) -> int | None:
+    """Alignment direct transfers keep to on this open file, or None if O_DIRECT is not in effect."""
     if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
         return None  # the filesystem silently dropped the flag
     reported = _cio.dio_alignment(fd)
@@ -68,8 +70,17 @@ def _direct_alignment(fd: int) -> int | None:
     mem_align, offset_align = reported
     if not mem_align or not offset_align:
         return None
-    align = max(mem_align, offset_align, 512)
-    return align if align <= MAX_DIRECT_ALIGN else None
+    if max(mem_align, offset_align) > MAX_DIRECT_ALIGN:
+        return None
+    # For writes, what the device accepts is not enough: ext4 and XFS treat a
+    # direct write that is not aligned to the filesystem's block as
+    # "unaligned", take the inode lock exclusively and wait for it to
+    # complete, so such writes to one file run one at a time (measured: 20
+    # requests in flight instead of 150, at 0.8x the speed). Writes are
+    # therefore aligned to the block too, up to a page; reads share the lock
+    # and need no more than the device's alignment (less read around an item).
+    block = min(os.fstat(fd).st_blksize, MAX_DIRECT_ALIGN) if writing else 512
+    return max(mem_align, offset_align, 512, block)
 
 
 def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
@@ -90,7 +101,7 @@ def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
                 raise OSError(e.errno, "filesystem refuses O_DIRECT and direct_io=True", path) from None
             log_once(f"fp-dcp: O_DIRECT refused on {os.path.dirname(path) or '.'}; using the page cache")
         else:
-            align = _direct_alignment(fd)
+            align = _direct_alignment(fd, writing=create)
             if align is not None:
                 return DataFile(path, fd, True, align)
             os.close(fd)
