@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Loads of a replicated state on 4 gloo ranks: fp-dcp sharing on, sharing off, and torch's FileSystemReader.
 
-    python benchmarks/load_sharing_bench.py [--gb 2] [--dir DIR] [--rounds 2]
+    python benchmarks/load_sharing_bench.py [--gb 2] [--dir DIR] [--rounds 2] [--read-limit-mbps N]
 
 A state of ``--gb`` GB (float32 tensors of 64 MiB) is saved once, by one
 process, with fp-dcp and with torch's ``FileSystemWriter``. Then 4 ranks
@@ -10,11 +10,18 @@ does), cold: the page cache is dropped before each load. Reported per
 reader: wall time, the bytes the disk served (``/proc/diskstats`` of the
 device holding the directory, summed over the load), and fp-dcp's own
 counts (read from storage, received from peers). Rounds alternate.
+
+With ``--read-limit-mbps`` (root) the checkpoints live on an ext4 loop
+device whose reads the cgroup-v1 blkio throttle caps at that rate
+(``scaling_bench.throttled_devices``): a disk, or a share of a filesystem,
+slower than the machine can move bytes between ranks, where sharing is
+meant to pay.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -27,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ranks import spawn
+from scaling_bench import throttled_devices
 
 MiB = 1 << 20
 
@@ -90,13 +98,21 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--read-limit-mbps", type=int, default=0, help="cap the disk's reads (root)")
     args = parser.parse_args()
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistWriter
 
-    base = tempfile.mkdtemp(prefix="fp-dcp-share-bench-", dir=args.dir)
-    try:
+    workdir = tempfile.mkdtemp(prefix="fp-dcp-share-bench-", dir=args.dir)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        base = workdir
+        if args.read_limit_mbps:
+            size_mb = int(2.2 * args.gb * 1000) + 256  # both checkpoints
+            base = stack.enter_context(
+                throttled_devices(1, workdir, size_mb, args.read_limit_mbps * 1_000_000, "read")
+            )[0]
         fp, stock = os.path.join(base, "fp"), os.path.join(base, "stock")
         dcp.save(state(args.gb), storage_writer=FastPersistWriter(fp), no_dist=True)
         dcp.save(state(args.gb), storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
@@ -132,8 +148,6 @@ def main() -> None:
             f"  wall time sharing on / off: {on / statistics.median(r[0] for r in rows['unshared']):.2f}x; "
             f"on / FileSystemReader: {on / statistics.median(r[0] for r in rows['stock']):.2f}x"
         )
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

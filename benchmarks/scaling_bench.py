@@ -37,7 +37,7 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from fp_dcp import FastPersistReader, FastPersistWriter
 
-THROTTLE = "/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device"
+THROTTLE = "/sys/fs/cgroup/blkio/blkio.throttle.{}_bps_device"  # read or write
 MB = 10**6
 
 
@@ -46,8 +46,11 @@ def sh(*cmd: str) -> str:
 
 
 @contextlib.contextmanager
-def throttled_devices(k: int, workdir: str, size_mb: int, limit_bps: int) -> Iterator[list[str]]:
-    """K ext4 mounts on loop devices, each capped at ``limit_bps`` writes; torn down on exit."""
+def throttled_devices(
+    k: int, workdir: str, size_mb: int, limit_bps: int, direction: str = "write"
+) -> Iterator[list[str]]:
+    """K ext4 mounts on loop devices, each capped at ``limit_bps`` of ``direction``; torn down on exit."""
+    throttle = THROTTLE.format(direction)
     loops: list[str] = []
     mounts: list[str] = []
     throttled: list[str] = []
@@ -64,13 +67,13 @@ def throttled_devices(k: int, workdir: str, size_mb: int, limit_bps: int) -> Ite
             sh("mount", loop, mnt)
             mounts.append(mnt)
             majmin = sh("lsblk", "-dno", "MAJ:MIN", loop).strip()
-            with open(THROTTLE, "w") as f:
+            with open(throttle, "w") as f:
                 f.write(f"{majmin} {limit_bps}\n")
             throttled.append(majmin)
         yield mounts
     finally:
         for majmin in throttled:
-            with contextlib.suppress(OSError), open(THROTTLE, "w") as f:
+            with contextlib.suppress(OSError), open(throttle, "w") as f:
                 f.write(f"{majmin} 0\n")
         for mnt in mounts:
             subprocess.run(["umount", mnt], capture_output=True)
@@ -196,7 +199,7 @@ def main() -> int:
     ap.add_argument("--skip-scaling", action="store_true", help="only the resharding table (no root needed)")
     args = ap.parse_args()
     if not args.skip_scaling:
-        if os.geteuid() != 0 or not os.path.exists(THROTTLE):
+        if os.geteuid() != 0 or not os.path.exists(THROTTLE.format("write")):
             print(
                 "the scaling table needs root and the cgroup-v1 blkio controller; use --skip-scaling", file=sys.stderr
             )

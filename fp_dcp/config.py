@@ -68,6 +68,15 @@ class IOConfig:
             items in parallel in incremental saves (at most one per CPU).
         direct_min: smallest run of an item that is written or read straight
             from tensor memory instead of through a staging buffer.
+        direct_writes: for files opened with O_DIRECT, ``True`` writes runs
+            of at least ``direct_min`` bytes straight from tensor memory (no
+            copy); ``False`` copies every byte into the staging buffers, whose huge pages let a request
+            reach the device's largest size; ``None`` (auto) copies where the
+            disk takes larger requests than memory in 4 KiB pages can fill
+            (``fp_dcp.io.device``: virtio disks, for one) and writes in place
+            elsewhere. On a virtio disk the copy saved at 1.5x the speed of
+            writing in place (~730 KiB requests against 4 MiB), for ~0.08 more
+            CPU-seconds per GB. Loads read in place either way.
         staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied
             device-to-host into the staging buffers in pieces of at most this
             many bytes, each followed by a CUDA event, so that the checksum of
@@ -88,6 +97,7 @@ class IOConfig:
     queue_depth: int = 8
     io_threads: int = 4
     direct_min: int = 1 * MiB
+    direct_writes: bool | None = None
     staging_chunk: int = 8 * MiB
     gather_max: int = 256 * 1024
 

@@ -52,13 +52,73 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
     flat = torch.randn(8 << 20)
     state = {f"t{i}": flat[i * 1_000_003 + i * 17 :][: 1 << 20] for i in range(6)}
     state["small"] = torch.arange(10)
-    save(state, tmp_path / "ck", config=IOConfig(engine=kind, direct_io=True))
+    save(state, tmp_path / "ck", config=IOConfig(engine=kind, direct_io=True, direct_writes=True))
     assert requests, "no direct writes were made"
     unaligned = [r for r in requests if r[0] % block or r[1] % block or r[2] % block]
     assert not unaligned, f"requests off the {block}-byte block: {unaligned[:3]}"
     back = empty_like(state)
     load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("direct_writes", [True, False, "auto, scattered memory caps requests", "auto, it does not"])
+def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes):
+    """Where the disk's requests from 4 KiB pages are capped (auto) or when told, every byte goes
+    through the staging buffers; else large items are written straight from tensor memory."""
+    from fp_dcp.save import pipeline
+
+    caps = direct_writes == "auto, scattered memory caps requests"
+    monkeypatch.setattr(pipeline, "scatter_caps_requests", lambda directory: caps)
+    staged = direct_writes is False or caps
+    cls = engine.UringEngine if _cio.HAVE_IO_URING else engine.ThreadEngine
+    queue = cls._queue
+    addresses = []
+
+    def recording(self, ticket, is_write, file, view, offset):
+        if is_write:
+            addresses.append(_cio.address(view))
+        return queue(self, ticket, is_write, file, view, offset)
+
+    monkeypatch.setattr(cls, "_queue", recording)
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
+    config = IOConfig(direct_io=True, direct_writes=direct_writes if isinstance(direct_writes, bool) else None)
+    save(state, tmp_path / "ck", config=config)
+    tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in state.values()]
+    from_tensors = [a for a in addresses if any(lo <= a < hi for lo, hi in tensor_memory)]
+    assert (not from_tensors) if staged else from_tensors, (direct_writes, len(addresses), len(from_tensors))
+    back = empty_like(state)
+    load(back, tmp_path / "ck")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize(("segments", "max_kib", "caps"), [(254, 4096, True), (256, 1024, False), (None, 4096, False)])
+def test_scatter_caps_requests_from_the_disks_queue_limits(monkeypatch, tmp_path, segments, max_kib, caps):
+    from fp_dcp.io import device
+
+    limits = {"max_segments": segments, "max_sectors_kb": max_kib}
+    monkeypatch.setattr(device, "disk_of", lambda directory: "vdz")
+    monkeypatch.setattr(device, "_queue_value", lambda disk, name: limits[name])
+    assert device.scatter_caps_requests(str(tmp_path)) is caps
+    monkeypatch.setattr(device, "disk_of", lambda directory: None)  # tmpfs, NFS, overlay
+    assert device.scatter_caps_requests(str(tmp_path)) is False
+
+
+def test_staging_buffers_are_populated_without_madv_populate_write(monkeypatch):
+    """Kernels before 5.14 refuse MADV_POPULATE_WRITE: every page is then faulted in by a write."""
+    from fp_dcp.io import buffers
+
+    monkeypatch.setattr(buffers, "_MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = BufferPool(8 << 20, 2)
+    assert resident() - before >= 15 << 20  # both buffers faulted in
+    pool.views[1][:4] = b"abcd"
+    assert bytes(pool.views[1][:4]) == b"abcd"
+    pool.close()
 
 
 @pytest.mark.parametrize("kind", ["io_uring", "threads"])

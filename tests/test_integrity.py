@@ -16,6 +16,7 @@ from fp_dcp import (
     CorruptCheckpointError,
     FastPersistReader,
     FastPersistWriter,
+    IOConfig,
 )
 from fp_dcp.io import engine
 from fp_dcp.save import commit
@@ -94,7 +95,7 @@ def test_corrupted_metadata_is_detected(ckpt, where):
 def test_failed_save_leaves_no_checkpoint_and_no_files(ckpt, monkeypatch):
     monkeypatch.setenv(engine.FAULT_ENV, "2")
     with pytest.raises(CheckpointException) as e:
-        save(state_of(4.0), ckpt)
+        save(state_of(4.0), ckpt, config=IOConfig(block_size=64 << 10))  # requests enough for a second to fail
     err = failure(e)
     assert isinstance(err, OSError) and "injected" in str(err)
     assert not (ckpt / ".metadata").exists()

@@ -9,6 +9,7 @@ synchronous copies instead of a side stream.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import threading
@@ -138,7 +139,14 @@ def test_writer_is_a_stager_only_when_passed_as_one(ckpt):
     response.upload_completion.result()
 
 
-def test_streaming_releases_after_the_last_read_and_before_publishing(ckpt, monkeypatch):
+@pytest.mark.parametrize(
+    ("direct_writes", "order"),
+    [
+        (True, ["writes done", "released", "publish"]),  # the big tensor is read by writes until they complete
+        (False, ["released", "writes done", "publish"]),  # every byte copied: released once the last is staged
+    ],
+)
+def test_streaming_releases_after_the_last_read_and_before_publishing(ckpt, monkeypatch, direct_writes, order):
     events: list[str] = []
     finish, publish = Window.finish, commit.publish
 
@@ -152,12 +160,12 @@ def test_streaming_releases_after_the_last_read_and_before_publishing(ckpt, monk
 
     monkeypatch.setattr(Window, "finish", finish_spy)
     monkeypatch.setattr(commit, "publish", publish_spy)
-    state = {"big": torch.randn(512, 1024), "small": torch.arange(10)}  # big: written in place
-    writer = FastPersistWriter(ckpt, config=SMALL, mode="streaming")
+    state = {"big": torch.randn(512, 1024), "small": torch.arange(10)}
+    writer = FastPersistWriter(ckpt, config=dataclasses.replace(SMALL, direct_writes=direct_writes), mode="streaming")
     response = dcp.async_save(state, storage_writer=writer, async_stager=writer)
     response.staging_completion.add_done_callback(lambda _: events.append("released"))
     response.upload_completion.result()
-    assert events == ["writes done", "released", "publish"]
+    assert events == order
 
 
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])

@@ -1,10 +1,18 @@
-"""Page-aligned staging buffers, allocated once and reused.
+"""Page-aligned staging buffers in huge pages, allocated once and reused.
 
-Buffers are anonymous mappings populated at allocation: page-aligned for
-O_DIRECT, and touched once, because on virtual machines that hand freed
-memory back to the host, memory touched afresh is copied into several times
-slower than memory already faulted in. A writer or reader keeps its pool for
-its whole life, so every save after the first runs on warm memory.
+Buffers are anonymous mappings, page-aligned for O_DIRECT, backed by
+transparent huge pages where the kernel allows (``MADV_HUGEPAGE``) and
+touched once at allocation:
+
+- A 2 MiB huge page is one run of physical memory, so a request written
+  from it fills the device's largest request size, where 4 KiB pages would
+  cap it (``io.device``).
+- On virtual machines that hand freed memory back to the host, memory touched
+  afresh is copied into several times slower than memory already faulted in.
+
+A writer or reader keeps its pool for its whole life. (The first pool of a
+process took 0.28 s per 128 MiB here, fresh memory from the host; later
+ones, reusing freed huge pages, 0.02 s.)
 """
 
 from __future__ import annotations
@@ -12,16 +20,33 @@ from __future__ import annotations
 import contextlib
 import mmap
 
+from ..units import PAGE
+
 __all__ = ["BufferPool"]
+
+# madvise(MADV_POPULATE_WRITE), Linux 5.14; Python's mmap module does not name it.
+_MADV_POPULATE_WRITE = 23
+
+
+def _allocate(size: int) -> mmap.mmap:
+    # Not MAP_POPULATE: that faults 4 KiB pages in before madvise could ask for huge ones.
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, smaller requests
+        m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel: a write per page faults each in
+        for offset in range(0, size, PAGE):
+            m[offset] = 0
+    return m
 
 
 class BufferPool:
     """``count`` buffers of ``size`` bytes; ``free`` lists those not in use."""
 
     def __init__(self, size: int, count: int) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         self.size = size
-        self.maps = [mmap.mmap(-1, size, flags=flags) for _ in range(count)]
+        self.maps = [_allocate(size) for _ in range(count)]
         self.views = [memoryview(m) for m in self.maps]
         self.free: list[memoryview] = list(self.views)
 

@@ -12,25 +12,8 @@ network or overlay filesystem); other processes' I/O to the same disk counts too
 from __future__ import annotations
 
 import dataclasses
-import os
 
-__all__ = ["DiskCounters", "disk_of"]
-
-
-def disk_of(directory: str) -> str | None:
-    """The name in /proc/diskstats of the block device holding ``directory`` (the disk, not a partition)."""
-    dev = os.stat(directory).st_dev
-    sys_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
-    try:
-        real = os.path.realpath(sys_path)
-    except OSError:
-        return None
-    if not os.path.exists(real):
-        return None
-    # a partition's directory sits inside its disk's
-    if os.path.exists(os.path.join(real, "partition")):
-        real = os.path.dirname(real)
-    return os.path.basename(real)
+__all__ = ["DiskCounters"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import FastPersistReader, FastPersistWriter, engine_info
-from ..io.diskstats import DiskCounters, disk_of
+from ..io.device import disk_of
+from ..io.diskstats import DiskCounters
 from ..io.files import fsync_path
 from ..units import MiB
 

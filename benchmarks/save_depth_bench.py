@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""How deep the device's queue is during a save: fp-dcp against fio (and DeepSpeed FastPersist), side by side.
+
+    sudo .venv/bin/python benchmarks/save_depth_bench.py [--rounds 3] [--dir DIR] [--layers 86]
+
+The workload of a user on a slow or high-latency disk: 86 layers, each a
+4096x4096 ``randn`` weight (float32 and bfloat16 alternating) and two
+4096-element float32 vectors (4.3 GB); a new ``FastPersistWriter`` for every
+save, ``dcp.save(..., no_dist=True)``; ``os.sync()`` and (as root)
+``drop_caches`` before each timed step. The disk's limit is fio writing a
+file of the same size in the same directory (``--bs=8M --iodepth=16
+--ioengine=io_uring --direct=1 --end_fsync=1``), timed as a whole process.
+The methods alternate, ``--rounds`` times, in one run.
+
+Per save it reports GB/s, CPU-seconds per GB (this process and its children,
+user + system), and what the disk saw (``fp_dcp.io.diskstats``): the
+requests in flight on average and the average write request.
+
+With ``--deepspeed`` it adds DeepSpeed's FastPersist (``torch.save`` into
+``FastFileWriter``: libaio, O_DIRECT, 8 MiB blocks, depth 8, a 64 MiB
+double-buffered pinned buffer), when ``deepspeed`` is importable and its
+``AsyncIOBuilder`` builds (``DS_ACCELERATOR=cpu``); ``docs/benchmarks.md``
+says how to install it. With ``--fsw`` it adds ``FileSystemWriter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fp_dcp import FastPersistWriter
+from fp_dcp.io.device import disk_of
+from fp_dcp.io.diskstats import DiskCounters
+from fp_dcp.io.files import fsync_path
+from fp_dcp.tools.bench import cpu_seconds
+
+GB = 1e9
+MiB = 1 << 20
+
+
+def state_dict(layers: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        sd[f"layers.{i}.weight"] = torch.randn(4096, 4096, generator=g).to(dtype)
+        sd[f"layers.{i}.norm_a"] = torch.randn(4096, generator=g)
+        sd[f"layers.{i}.norm_b"] = torch.randn(4096, generator=g)
+    return sd
+
+
+def quiesce() -> None:
+    os.sync()
+    if os.geteuid() == 0:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+
+def deepspeed_save() -> Callable[[dict, str], None] | None:
+    """DeepSpeed FastPersist's save (torch.save into FastFileWriter), or None where it cannot run here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as e:
+        print(f"DeepSpeed: not importable ({e})")
+        return None
+    import deepspeed.io.fast_file_writer as ffw
+
+    class Utils:
+        """FastFileWriter loads DeepSpeed's C++ utils, which have no CPU build, for this one helper."""
+
+        @staticmethod
+        def cast_to_byte_tensor(t: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+            if isinstance(t, list):
+                return [x.reshape(-1).view(torch.uint8) for x in t]
+            return t.reshape(-1).view(torch.uint8)
+
+    ffw.UtilsBuilder = lambda: type("Loader", (), {"load": staticmethod(lambda: Utils)})()
+    aio = AsyncIOBuilder().load(verbose=False)
+    handle = aio.aio_handle(
+        block_size=8 * MiB, queue_depth=8, single_submit=False, overlap_events=True, intra_op_parallelism=1
+    )
+    pinned = torch.zeros(64 * MiB, dtype=torch.uint8)  # page-locking is for device copies
+
+    def save(sd: dict, path: str) -> None:
+        config = FastFileWriterConfig(
+            dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True, num_parallel_writers=1, writer_rank=0
+        )
+        writer = FastFileWriter(file_path=path, config=config)
+        torch.save(sd, writer)
+        writer.close()
+        fsync_path(path)
+
+    return save
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--layers", type=int, default=86)
+    parser.add_argument("--fsw", action="store_true", help="add FileSystemWriter (thread_count=4)")
+    parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeed FastPersist")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    sd = state_dict(args.layers)
+    size = sum(t.nbytes for t in sd.values())
+    base = tempfile.mkdtemp(prefix="fp-dcp-depth-", dir=args.dir)
+    disk = disk_of(base)
+
+    def fp(path: str) -> None:
+        dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+
+    def fio(path: str) -> None:
+        subprocess.run(
+            ["fio", "--name=limit", f"--filename={path}", "--rw=write", f"--size={size}", "--bs=8M",
+             "--iodepth=16", "--direct=1", "--ioengine=io_uring", "--end_fsync=1", "--output-format=terse"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    methods: dict[str, Callable[[str], None]] = {"fp-dcp": fp, "fio": fio}
+    if args.fsw:
+        methods["FileSystemWriter t=4"] = lambda path: dcp.save(
+            sd, storage_writer=dcp.FileSystemWriter(path, thread_count=4), no_dist=True
+        )
+    if args.deepspeed and (ds := deepspeed_save()) is not None:
+        methods["DeepSpeed FastPersist"] = lambda path: ds(sd, path)
+    gbps: dict[str, list[float]] = {name: [] for name in methods}
+    print(f"{size / GB:.2f} GB, {len(sd)} tensors, disk {disk}, {args.rounds} rounds", flush=True)
+    try:
+        for r in range(args.rounds):
+            for name, save in methods.items():
+                path = os.path.join(base, f"r{r}-{name.split()[0]}")
+                quiesce()
+                before, cpu0 = DiskCounters.read(disk), cpu_seconds() + cpu_seconds(-1)
+                start = time.perf_counter()
+                save(path)
+                seconds = time.perf_counter() - start
+                cpu = cpu_seconds() + cpu_seconds(-1) - cpu0
+                after = DiskCounters.read(disk)
+                depth = ""
+                if before and after:
+                    flight, kib = after.since(before, seconds)
+                    depth = f", in flight {flight:.1f}, req {kib:.0f} KiB"
+                gbps[name].append(size / seconds / GB)
+                line = f"{gbps[name][-1]:.3f} GB/s, {cpu / (size / GB):.3f} CPU-s/GB{depth}"
+                print(f"round {r + 1} {name}: {line}", flush=True)
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    medians = {name: statistics.median(v) for name, v in gbps.items()}
+    print("medians: " + ", ".join(f"{n} {m:.3f} GB/s" for n, m in medians.items()))
+    for name, m in medians.items():
+        if name != "fio":
+            print(f"{name}: {m / medians['fio']:.2f}x fio")
+
+
+if __name__ == "__main__":
+    main()
