@@ -70,12 +70,14 @@ class IOConfig:
             from tensor memory instead of through a staging buffer.
         direct_writes: for files opened with O_DIRECT, ``True`` writes runs
             of at least ``direct_min`` bytes straight from tensor memory (no
-            copy); ``False`` copies every byte into the staging buffers, whose huge pages let a request
-            reach the device's largest size; ``None`` (auto) copies where the
+            copy); ``False`` copies every byte into the staging buffers,
+            whose huge pages let a request reach the device's largest size;
+            ``None`` (auto) copies where the
             disk takes larger requests than memory in 4 KiB pages can fill
-            (``fp_dcp.io.device``: virtio disks, for one) and writes in place
-            elsewhere. On a virtio disk the copy saved at 1.5x the speed of
-            writing in place (~730 KiB requests against 4 MiB), for ~0.08 more
+            (``fp_dcp.io.device``: virtio disks, for one) and the kernel has
+            transparent huge pages enabled, and writes in place elsewhere.
+            On a virtio disk the copy saved at 1.5x the speed of writing in
+            place (~730 KiB requests against 4 MiB), for ~0.1 more
             CPU-seconds per GB. Loads read in place either way.
         staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied
             device-to-host into the staging buffers in pieces of at most this

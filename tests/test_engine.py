@@ -61,15 +61,24 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("direct_writes", [True, False, "auto, scattered memory caps requests", "auto, it does not"])
-def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes):
-    """Where the disk's requests from 4 KiB pages are capped (auto) or when told, every byte goes
-    through the staging buffers; else large items are written straight from tensor memory."""
+@pytest.mark.parametrize(
+    ("direct_writes", "caps", "huge", "staged"),
+    [
+        (True, True, True, False),
+        (False, False, False, True),
+        (None, True, True, True),  # auto: the disk takes larger requests than 4 KiB pages fill
+        (None, False, True, False),  # auto: it does not
+        (None, True, False, False),  # auto: no huge pages to fill them from
+    ],
+)
+def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes, caps, huge, staged):
+    """Where the disk's requests from 4 KiB pages are capped and huge pages can do better (auto), or
+    when told, every byte goes through the staging buffers; else large items are written in place."""
+    from fp_dcp.io import buffers
     from fp_dcp.save import pipeline
 
-    caps = direct_writes == "auto, scattered memory caps requests"
     monkeypatch.setattr(pipeline, "scatter_caps_requests", lambda directory: caps)
-    staged = direct_writes is False or caps
+    monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     cls = engine.UringEngine if _cio.HAVE_IO_URING else engine.ThreadEngine
     queue = cls._queue
     addresses = []
@@ -81,8 +90,7 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
 
     monkeypatch.setattr(cls, "_queue", recording)
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
-    config = IOConfig(direct_io=True, direct_writes=direct_writes if isinstance(direct_writes, bool) else None)
-    save(state, tmp_path / "ck", config=config)
+    save(state, tmp_path / "ck", config=IOConfig(direct_io=True, direct_writes=direct_writes))
     tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in state.values()]
     from_tensors = [a for a in addresses if any(lo <= a < hi for lo, hi in tensor_memory)]
     assert (not from_tensors) if staged else from_tensors, (direct_writes, len(addresses), len(from_tensors))

@@ -28,25 +28,43 @@ __all__ = ["BufferPool"]
 _MADV_POPULATE_WRITE = 23
 
 
-def _allocate(size: int) -> mmap.mmap:
+def _huge_pages_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _allocate(size: int) -> tuple[mmap.mmap, bool]:
+    """A populated mapping of ``size`` bytes, and whether it was given huge pages."""
     # Not MAP_POPULATE: that faults 4 KiB pages in before madvise could ask for huge ones.
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, smaller requests
+    huge = _huge_pages_enabled()
+    try:
         m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        huge = False
     try:
         m.madvise(_MADV_POPULATE_WRITE)
     except OSError:  # an older kernel: a write per page faults each in
         for offset in range(0, size, PAGE):
             m[offset] = 0
-    return m
+    return m, huge
 
 
 class BufferPool:
-    """``count`` buffers of ``size`` bytes; ``free`` lists those not in use."""
+    """``count`` buffers of ``size`` bytes; ``free`` lists those not in use.
+
+    ``huge``: the kernel was asked for huge pages and has them enabled (it
+    may still fall back to 4 KiB pages where it finds no free 2 MiB ones).
+    """
 
     def __init__(self, size: int, count: int) -> None:
         self.size = size
-        self.maps = [_allocate(size) for _ in range(count)]
+        allocated = [_allocate(size) for _ in range(count)]
+        self.maps = [m for m, _ in allocated]
+        self.huge = all(huge for _, huge in allocated)
         self.views = [memoryview(m) for m in self.maps]
         self.free: list[memoryview] = list(self.views)
 

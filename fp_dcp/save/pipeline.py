@@ -161,7 +161,7 @@ def write_files(
             f = open_file(path, create=True, direct=config.direct_io)
             files.append(f)
             preallocate(f, size)
-            from_memory = _from_memory(config, f)
+            from_memory = _from_memory(config, f, pool)
             pieces = [
                 Piece(it.offset, it.source.nbytes, it, 0, it.source.memory if from_memory else None) for it in items
             ]
@@ -207,13 +207,14 @@ def write_files(
     return results, written
 
 
-def _from_memory(config: IOConfig, f: DataFile) -> bool:
+def _from_memory(config: IOConfig, f: DataFile, pool: BufferPool) -> bool:
     """Whether ``f`` is written straight from tensor memory where it can be (``IOConfig.direct_writes``)."""
     if not f.direct:
         return True  # the page cache copies the bytes anyway
     if config.direct_writes is not None:
         return config.direct_writes
-    return not scatter_caps_requests(os.path.dirname(f.path))
+    # Copying pays only where huge pages make requests larger than the tensor's memory allows.
+    return not (pool.huge and scatter_caps_requests(os.path.dirname(f.path)))
 
 
 def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryview:
