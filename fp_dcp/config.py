@@ -72,10 +72,10 @@ class IOConfig:
             of at least ``direct_min`` bytes straight from tensor memory (no
             copy); ``False`` copies every byte into the staging buffers,
             whose huge pages let a request reach the device's largest size;
-            ``None`` (auto) copies where the
-            disk takes larger requests than memory in 4 KiB pages can fill
-            (``fp_dcp.io.device``: virtio disks, for one) and the kernel has
-            transparent huge pages enabled, and writes in place elsewhere.
+            ``None`` (auto) copies where the disk takes larger requests than
+            memory in 4 KiB pages can fill (``fp_dcp.io.device``: virtio
+            disks, for one) and the kernel has transparent huge pages
+            enabled, and writes in place elsewhere.
             On a virtio disk the copy saved at 1.5x the speed of writing in
             place (~730 KiB requests against 4 MiB), for ~0.1 more
             CPU-seconds per GB. Loads read in place either way.

@@ -37,20 +37,20 @@ def _huge_pages_enabled() -> bool:
 
 
 def _allocate(size: int) -> tuple[mmap.mmap, bool]:
-    """A populated mapping of ``size`` bytes, and whether it was given huge pages."""
+    """A populated mapping of ``size`` bytes, and whether huge pages were asked for."""
     # Not MAP_POPULATE: that faults 4 KiB pages in before madvise could ask for huge ones.
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = _huge_pages_enabled()
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
+        asked = True
     except (AttributeError, OSError):
-        huge = False
+        asked = False
     try:
         m.madvise(_MADV_POPULATE_WRITE)
     except OSError:  # an older kernel: a write per page faults each in
         for offset in range(0, size, PAGE):
             m[offset] = 0
-    return m, huge
+    return m, asked
 
 
 class BufferPool:
@@ -64,7 +64,7 @@ class BufferPool:
         self.size = size
         allocated = [_allocate(size) for _ in range(count)]
         self.maps = [m for m, _ in allocated]
-        self.huge = all(huge for _, huge in allocated)
+        self.huge = _huge_pages_enabled() and all(asked for _, asked in allocated)
         self.views = [memoryview(m) for m in self.maps]
         self.free: list[memoryview] = list(self.views)
 
