@@ -18,7 +18,7 @@ requests in flight on average and the average write request.
 
 With ``--deepspeed`` it adds DeepSpeed's FastPersist (``torch.save`` into
 ``FastFileWriter``: libaio, O_DIRECT, 8 MiB blocks, depth 8, a 64 MiB
-double-buffered pinned buffer), when ``deepspeed`` is importable and its
+double buffer), when ``deepspeed`` is importable and its
 ``AsyncIOBuilder`` builds (``DS_ACCELERATOR=cpu``); ``docs/benchmarks.md``
 says how to install it. With ``--fsw`` it adds ``FileSystemWriter``.
 """
