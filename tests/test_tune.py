@@ -45,6 +45,7 @@ def test_consistent_winner_is_chosen_and_pasted(tmp_path, monkeypatch):
     def fake_save(writer, state, *, warm):  # GB/s by setting, no disk involved
         config = writer.config
         gbps = (1.3 if config.queue_depth == 16 else 1.0) * (1.2 if config.block_size == 8 * MiB else 1.0)
+        gbps *= 1.15 if config.direct_writes is False else 1.0  # copying beats auto and in place
         return gbps * (1.1 if writer.lanes_per_dir == 2 else 1.0), 0.001
 
     monkeypatch.setattr(tune, "_save", fake_save)
@@ -52,6 +53,7 @@ def test_consistent_winner_is_chosen_and_pasted(tmp_path, monkeypatch):
     assert result.untried == ()
     best = result.best
     assert (best.config.queue_depth, best.config.block_size, best.lanes_per_dir) == (16, 8 * MiB, 2)
+    assert best.config.direct_writes is False
     assert result.best.config.buffer_size == IOConfig().buffer_size  # no gain: the default stays
     pasted = eval(result.config_line(), {"IOConfig": IOConfig})  # the printed line is valid Python
     assert pasted == result.best.config
@@ -70,8 +72,8 @@ def test_inconsistent_or_small_gains_keep_the_current_value(tmp_path, monkeypatc
 
     monkeypatch.setattr(tune, "_save", fake_save)
     result = tune.tune(tmp_path, budget_s=30, size_bytes=1 * MiB, repeats=3, min_gain=0.05)
-    sweep = result.axes[0]
-    assert sweep.axis == "queue_depth" and sweep.median(32) > sweep.median(4) > sweep.median(8)
+    sweep = next(a for a in result.axes if a.axis == "queue_depth")
+    assert sweep.median(32) > sweep.median(4) > sweep.median(8)
     assert result.best == result.baseline
 
 

@@ -155,8 +155,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0  # entries dropped for safetensors were named by the convert module's warning
 
 
-def _format_value(axis: str, value: int) -> str:
-    return f"{value >> 20}M" if axis.endswith("_size") else str(value)
+def _format_value(axis: str, value: int | bool | None) -> str:
+    if axis == "direct_writes":
+        return "auto" if value is None else "in-place" if value else "copy"
+    return f"{int(value or 0) >> 20}M" if axis.endswith("_size") else str(value)
 
 
 def _print_axis(result: AxisResult) -> None:
@@ -290,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tune",
         parents=[common],
         help="find the best I/O settings for a directory",
-        description="Save a synthetic state dict into DIR again and again, sweeping queue_depth, block_size, "
-        "lanes_per_dir and buffer_size one at a time, and print the best IOConfig to paste. Bounded by --budget.",
+        description="Save a synthetic state dict into DIR again and again, sweeping direct_writes, queue_depth, "
+        "block_size, lanes_per_dir and buffer_size one at a time, and print the best IOConfig to paste. "
+        "Bounded by --budget.",
     )
     p.add_argument("dir", help="directory on the disk checkpoints will be written to (created if missing)")
     p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole sweep (default 60)")

@@ -2,12 +2,15 @@
 
     fp-dcp tune DIR [--budget 60] [--size-mb 512]
 
-Saves a synthetic state dict (a few large tensors written straight from
-their memory, and many small ones that go through the staging buffers) into
+Saves a synthetic state dict (a few large tensors, which may be written
+straight from their memory, and many small ones that go through the staging
+buffers) into
 a scratch directory under ``DIR`` with ``FastPersistWriter``, again and
 again, sweeping one setting at a time in the order of their usual effect:
-``queue_depth``, ``block_size``, ``lanes_per_dir`` (files written at once),
-``buffer_size``. Within a setting, every candidate value and the current
+``direct_writes`` (writing large tensors in place against copying every
+byte through huge pages, which sets the size of every request; ``IOConfig``'s
+auto choice is the current value), ``queue_depth``, ``block_size``,
+``lanes_per_dir`` (files written at once), ``buffer_size``. Within a setting, every candidate value and the current
 best are saved in turn, round after round (A B C A B C ...), so a disk whose
 speed drifts treats them alike. A save is measured by its data path's
 throughput (``SaveSummary.gbps``: from resolving the items to the fsync,
@@ -46,15 +49,19 @@ __all__ = ["AXES", "Axis", "AxisResult", "Setting", "TuneResult", "synthetic_sta
 log = logging.getLogger(__name__)
 
 
+Value = int | bool | None  # None: IOConfig's auto choice (direct_writes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Axis:
     """One setting the sweep varies: an ``IOConfig`` field or ``lanes_per_dir``."""
 
     name: str
-    values: tuple[int, ...]
+    values: tuple[Value, ...]
 
 
 AXES = (
+    Axis("direct_writes", (True, False)),
     Axis("queue_depth", (2, 4, 8, 16, 32)),
     Axis("block_size", tuple(m * MiB for m in (4, 8, 16, 32, 64))),
     Axis("lanes_per_dir", (1, 2, 4)),
@@ -69,14 +76,15 @@ class Setting:
     config: IOConfig
     lanes_per_dir: int = 1
 
-    def with_value(self, axis: str, value: int) -> Setting:
+    def with_value(self, axis: str, value: Value) -> Setting:
         if axis == "lanes_per_dir":
+            assert isinstance(value, int)
             return dataclasses.replace(self, lanes_per_dir=value)
-        field: dict[str, Any] = {axis: value}  # one of IOConfig's int fields, by name
+        field: dict[str, Any] = {axis: value}  # one of IOConfig's fields, by name
         return dataclasses.replace(self, config=dataclasses.replace(self.config, **field))
 
-    def value(self, axis: str) -> int:
-        return self.lanes_per_dir if axis == "lanes_per_dir" else int(getattr(self.config, axis))
+    def value(self, axis: str) -> Value:
+        return self.lanes_per_dir if axis == "lanes_per_dir" else getattr(self.config, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +92,10 @@ class AxisResult:
     """The sweep of one setting: GB/s of every save of each value, and the value kept."""
 
     axis: str
-    runs: dict[int, list[float]]
-    chosen: int
+    runs: dict[Value, list[float]]
+    chosen: Value
 
-    def median(self, value: int) -> float:
+    def median(self, value: Value) -> float:
         return statistics.median(self.runs[value])
 
 
@@ -129,8 +137,8 @@ def _config_source(config: IOConfig) -> str:
 def synthetic_state(total_bytes: int) -> dict[str, torch.Tensor]:
     """About ``total_bytes`` of tensors: 7/8 in large bf16 matrices, 1/8 in 64 KiB fp32 vectors.
 
-    The large ones are written straight from their memory, the small ones are
-    packed into the staging buffers, as the parameters and the norms, biases
+    The large ones may be written straight from their memory (``direct_writes``),
+    the small ones are packed into the staging buffers, as the parameters and the norms, biases
     and optimizer scalars of a real model are. Contents are irrelevant to the
     disk, so they are filled, not drawn at random (which would take longer
     than saving them).
@@ -230,18 +238,18 @@ def _sweep(
 
     ``save_seconds`` is the running estimate of one save, returned updated.
     """
-    values = sorted({*axis.values, current.value(axis.name)})
+    values = sorted({*axis.values, current.value(axis.name)}, key=lambda v: (v is not None, v))  # auto first
     writers = {}
     for v in values:
         setting = current.with_value(axis.name, v)
         writers[v] = FastPersistWriter(scratch, lanes_per_dir=setting.lanes_per_dir, config=setting.config)
-    runs: dict[int, list[float]] = {v: [] for v in values}
+    runs: dict[Value, list[float]] = {v: [] for v in values}
     try:
         for round_ in range(repeats):
             first = round_ == 0  # a writer's first save also allocates its buffers: count it double
             if save_seconds is not None and time.perf_counter() + len(values) * save_seconds * (1 + first) > deadline:
                 break
-            got: dict[int, float] = {}
+            got: dict[Value, float] = {}
             for v in values:
                 if time.perf_counter() + (save_seconds or 0.0) * (1 + first) > deadline:
                     break  # only possible before the first estimate: the very first round
