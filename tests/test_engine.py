@@ -11,6 +11,7 @@ import sys
 import sysconfig
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -31,6 +32,27 @@ def fresh_log_once():
     log._logged.clear()
 
 
+class Request(NamedTuple):
+    offset: int
+    length: int
+    address: int
+
+
+def record_writes(monkeypatch, kind: str) -> list[Request]:
+    """The direct write requests the ``kind`` engine will be handed, as they are queued."""
+    cls = engine.UringEngine if kind == "io_uring" else engine.ThreadEngine
+    queue = cls._queue
+    requests: list[Request] = []
+
+    def recording(self, ticket, is_write, file, view, offset):
+        if is_write and file.direct:
+            requests.append(Request(offset, len(view), _cio.address(view)))
+        return queue(self, ticket, is_write, file, view, offset)
+
+    monkeypatch.setattr(cls, "_queue", recording)
+    return requests
+
+
 @pytest.mark.parametrize("kind", ["io_uring", "threads"])
 def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind):
     """ext4 and XFS run a direct write that is not aligned to their block one at a time, under the
@@ -38,23 +60,14 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
     if kind == "io_uring" and not _cio.HAVE_IO_URING:
         pytest.skip("built without liburing")
     block = min(os.stat(tmp_path).st_blksize, os.sysconf("SC_PAGE_SIZE"))
-    requests = []
-    cls = engine.UringEngine if kind == "io_uring" else engine.ThreadEngine
-    queue = cls._queue
-
-    def recording(self, ticket, is_write, file, view, offset):
-        if is_write and file.direct:
-            requests.append((offset, len(view), _cio.address(view)))
-        return queue(self, ticket, is_write, file, view, offset)
-
-    monkeypatch.setattr(cls, "_queue", recording)
+    requests = record_writes(monkeypatch, kind)
     # views into one buffer, so the tensors start at many offsets within a page
     flat = torch.randn(8 << 20)
     state = {f"t{i}": flat[i * 1_000_003 + i * 17 :][: 1 << 20] for i in range(6)}
     state["small"] = torch.arange(10)
     save(state, tmp_path / "ck", config=IOConfig(engine=kind, direct_io=True, direct_writes=True))
     assert requests, "no direct writes were made"
-    unaligned = [r for r in requests if r[0] % block or r[1] % block or r[2] % block]
+    unaligned = [r for r in requests if r.offset % block or r.length % block or r.address % block]
     assert not unaligned, f"requests off the {block}-byte block: {unaligned[:3]}"
     back = empty_like(state)
     load(back, tmp_path / "ck")
@@ -79,21 +92,12 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
 
     monkeypatch.setattr(pipeline, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
-    cls = engine.UringEngine if _cio.HAVE_IO_URING else engine.ThreadEngine
-    queue = cls._queue
-    addresses = []
-
-    def recording(self, ticket, is_write, file, view, offset):
-        if is_write:
-            addresses.append(_cio.address(view))
-        return queue(self, ticket, is_write, file, view, offset)
-
-    monkeypatch.setattr(cls, "_queue", recording)
+    requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads")
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
     save(state, tmp_path / "ck", config=IOConfig(direct_io=True, direct_writes=direct_writes))
     tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in state.values()]
-    from_tensors = [a for a in addresses if any(lo <= a < hi for lo, hi in tensor_memory)]
-    assert (not from_tensors) if staged else from_tensors, (direct_writes, len(addresses), len(from_tensors))
+    from_tensors = [r for r in requests if any(lo <= r.address < hi for lo, hi in tensor_memory)]
+    assert (not from_tensors) if staged else from_tensors, (direct_writes, len(requests), len(from_tensors))
     back = empty_like(state)
     load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in state.items())

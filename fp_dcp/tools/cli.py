@@ -158,7 +158,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _format_value(axis: str, value: int | bool | None) -> str:
     if axis == "direct_writes":
         return "auto" if value is None else "in-place" if value else "copy"
-    return f"{int(value or 0) >> 20}M" if axis.endswith("_size") else str(value)
+    assert isinstance(value, int)  # every other axis is a count or a size
+    return f"{value >> 20}M" if axis.endswith("_size") else str(value)
 
 
 def _print_axis(result: AxisResult) -> None:

@@ -4,15 +4,15 @@
 
 Saves a synthetic state dict (a few large tensors, which may be written
 straight from their memory, and many small ones that go through the staging
-buffers) into
-a scratch directory under ``DIR`` with ``FastPersistWriter``, again and
-again, sweeping one setting at a time in the order of their usual effect:
-``direct_writes`` (writing large tensors in place against copying every
-byte through huge pages, which sets the size of every request; ``IOConfig``'s
-auto choice is the current value), ``queue_depth``, ``block_size``,
-``lanes_per_dir`` (files written at once), ``buffer_size``. Within a setting, every candidate value and the current
-best are saved in turn, round after round (A B C A B C ...), so a disk whose
-speed drifts treats them alike. A save is measured by its data path's
+buffers) into a scratch directory under ``DIR`` with ``FastPersistWriter``,
+again and again, sweeping one setting at a time in the order of their usual
+effect: ``direct_writes`` (writing large tensors in place against copying
+every byte through huge pages, which sets the size of every request;
+``IOConfig``'s auto choice is the current value), ``queue_depth``,
+``block_size``, ``lanes_per_dir`` (files written at once), ``buffer_size``.
+Within a setting, every candidate value and the current best are saved in
+turn, round after round (A B C A B C ...), so a disk whose speed drifts
+treats them alike. A save is measured by its data path's
 throughput (``SaveSummary.gbps``: from resolving the items to the fsync,
 which is what these settings change; publishing ``.metadata`` does not
 depend on them). A candidate replaces the current value only if it was
@@ -137,9 +137,10 @@ def _config_source(config: IOConfig) -> str:
 def synthetic_state(total_bytes: int) -> dict[str, torch.Tensor]:
     """About ``total_bytes`` of tensors: 7/8 in large bf16 matrices, 1/8 in 64 KiB fp32 vectors.
 
-    The large ones may be written straight from their memory (``direct_writes``),
-    the small ones are packed into the staging buffers, as the parameters and the norms, biases
-    and optimizer scalars of a real model are. Contents are irrelevant to the
+    The large ones may be written straight from their memory
+    (``direct_writes``), the small ones are packed into the staging buffers,
+    as the parameters and the norms, biases and optimizer scalars of a real
+    model are. Contents are irrelevant to the
     disk, so they are filled, not drawn at random (which would take longer
     than saving them).
     """
