@@ -70,12 +70,13 @@ class ByteSource:
 
     In-place CPU tensors and byte strings are one memory block; anything else
     (non-contiguous, conjugate views, other devices) is materialized on the
-    host in slabs of at most ``slab_bytes``, one slab at a time. A CUDA
-    tensor is also kept as ``device_tensor``, so that the write pipeline's
-    ``DeviceCopier`` can copy it (side stream, pinned buffers) instead.
+    host in slabs of at most ``slab_bytes``, one slab at a time. A tensor the
+    write pipeline's ``DeviceCopier`` copies (``copied``: a GPU tensor) is
+    kept as ``device_tensor``, so that the copier moves its bytes (side
+    stream, pinned buffers) instead.
     """
 
-    def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int) -> None:
+    def __init__(self, data: torch.Tensor | io.BytesIO, slab_bytes: int, copied: bool = False) -> None:
         self.memory: memoryview | None
         self.device_tensor: torch.Tensor | None = None
         self._tensor: torch.Tensor | None = None  # when not in place: read again by checksum()
@@ -88,14 +89,14 @@ class ByteSource:
             self.nbytes = self.memory.nbytes
         else:
             self.nbytes = data.numel() * data.element_size()
-            if _in_place(data):
+            if _in_place(data) and not copied:
                 self.memory = byte_view(data)
             else:
                 self.memory = None
                 self._tensor = data.detach()
                 self._slabs = _slabs(self._tensor, slab_bytes)
-                if data.device.type == "cuda":
-                    self.device_tensor = data.detach()
+                if copied:
+                    self.device_tensor = self._tensor
 
     @property
     def address(self) -> int | None:

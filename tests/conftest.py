@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 from collections.abc import Iterator
@@ -12,9 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cuda_double import CpuAsDevice, CudaRuntimeDouble
 from torch.distributed.checkpoint.api import CheckpointException
 
+import fp_dcp.io.buffers
+import fp_dcp.save.resources
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
+from fp_dcp.gpu import cudart
 
 needs_xxhash = pytest.mark.skipif(
     not hasattr(_cio, "Hash128"), reason="fp_dcp._cio built without libxxhash (make system-deps installs it)"
@@ -84,3 +89,51 @@ def tmpfs(mnt: Path, size: str) -> Iterator[Path]:
 @pytest.fixture
 def ckpt(tmp_path):
     return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def cuda_double(monkeypatch) -> Iterator[CudaRuntimeDouble]:
+    """fp-dcp's CUDA runtime calls go to a double; once the test's objects are gone it must have nothing to report."""
+    double = CudaRuntimeDouble()
+    monkeypatch.setattr(fp_dcp.io.buffers, "_allocate", double.tracking(fp_dcp.io.buffers._allocate))
+    with cudart.use(double):
+        yield double
+    assert double.problems() == []
+
+
+@dataclasses.dataclass
+class Gpu:
+    """Where a GPU test runs: a CUDA device, or CPU tensors taking the GPU path through the runtime double."""
+
+    device: torch.device
+    double: CudaRuntimeDouble | None
+
+    def writer(self, *args: Any, **kwargs: Any) -> FastPersistWriter:
+        """A writer whose staging takes this route (the same as any writer's on CUDA)."""
+        if self.double is None:
+            return FastPersistWriter(*args, **kwargs)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)
+            return FastPersistWriter(*args, **kwargs)
+
+    def page_locked(self, view: memoryview) -> bool:
+        if self.double is not None:
+            return self.double.is_registered(view)
+        return bool(torch.frombuffer(view, dtype=torch.uint8).is_pinned())
+
+
+GPU_ROUTES = ["cpu-as-device", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=GPU_ROUTES)
+def gpu(request) -> Iterator[Gpu]:
+    """GPU tests run everywhere on CPU tensors through the double, and on CUDA where there is a device.
+
+    On CUDA, no error may be left pending for torch to report at its next launch.
+    """
+    if request.param == "cpu-as-device":
+        yield Gpu(torch.device("cpu"), request.getfixturevalue("cuda_double"))
+        return
+    yield Gpu(torch.device("cuda"), None)
+    torch.cuda.synchronize()
+    assert cudart.runtime().cudaGetLastError() == 0

@@ -180,12 +180,12 @@ def test_writer_pickles_without_its_machinery_and_copies_share_warm_resources(tm
     blob = pickle.dumps(writer)
     assert len(blob) < 2000  # settings only: no buffers
     first, second = pickle.loads(blob), pickle.loads(blob)
-    assert first._runtime is second._runtime  # one engine and one set of buffers per writer and process
+    assert first._resources is second._resources  # one engine and one set of buffers per writer and process
     assert (first.path, first.overwrite, first.lanes_per_dir, first.mode) == (writer.path, False, 2, "snapshot")
     dcp.save(state(5), storage_writer=first)
     assert_same(loaded(writer.path, state(5)), state(5))
     first.close()
-    assert pickle.loads(blob)._runtime is not first._runtime  # closed resources are not handed out again
+    assert pickle.loads(blob)._resources is not first._resources  # closed resources are not handed out again
 
 
 def _process_saves(rank: int, world: int, root: str) -> list:

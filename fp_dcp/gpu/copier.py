@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+import torch
+
 from ..io.buffers import BufferPool
 from ..io.extents import Extent
 from ..tensors import ByteSource
@@ -39,6 +41,10 @@ class Batch(Protocol):
 
 class DeviceCopier:
     """Copies the device parts of staged extents; this base has no device and copies nothing."""
+
+    def copies(self, tensor: torch.Tensor) -> bool:
+        """Whether this copier moves ``tensor``'s bytes to the host (its ``ByteSource`` keeps the tensor)."""
+        return False
 
     def prepare(self, pool: BufferPool, sources: Iterable[ByteSource]) -> None:
         """Before a save first reads a source, given the pool the buffers come from and every item's source.

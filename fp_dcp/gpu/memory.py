@@ -1,16 +1,20 @@
 """Host memory the GPU copies into, and the side streams that copy.
 
 Page-locked (pinned) host memory lets device-to-host copies run
-asynchronously at full bus speed; fp-dcp pins memory it owns and reuses
-(the writer's staging buffers, the snapshot arena, gather landing areas)
-with cudaHostRegister, never one fresh copy per save. A ``SideStream`` is a
-device's dedicated CUDA stream plus the scratch memory a gather needs on
-it; for a CPU "device" (tests route CPU tensors through the same code) it
+asynchronously at full bus speed; fp-dcp page-locks memory it owns and
+reuses (the writer's staging buffers, the snapshot arena, gather landing
+areas), never one fresh copy per save. Every page-locked byte belongs to a
+``BufferPool``, which undoes the registration before it unmaps the buffer,
+whatever ends the pool; a pool is page-locked at most once. A ``SideStream``
+is a device's dedicated CUDA stream plus the scratch memory a gather needs
+on it; for a CPU "device" (tests route CPU tensors through the same code) it
 has no stream and copies are synchronous.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -18,28 +22,50 @@ import torch
 
 from .. import _cio
 from ..io.buffers import BufferPool
+from ..log import log, log_once
 from ..units import PAGE, align_up
+from . import cudart
 
-__all__ = ["pin", "unpin", "HostArea", "SideStream"]
+__all__ = ["page_lock", "HostArea", "SideStream"]
 
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
-
-
-def _cudart() -> Any:
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]  # (unannotated in torch)
+# Pools page-locked in this process, and whether every buffer of each is: each is registered once.
+_LOCKED: weakref.WeakKeyDictionary[BufferPool, bool] = weakref.WeakKeyDictionary()
 
 
-def pin(view: memoryview) -> None:
-    """Page-lock host memory for the GPU, so that copies into it run asynchronously at full speed."""
-    err = int(_cudart().cudaHostRegister(_cio.address(view), len(view), _HOST_REGISTER_PORTABLE))
-    if err:
-        # Raised, not logged: the runtime keeps the error as its "last error", and
-        # torch would report it later against an unrelated kernel launch.
-        raise RuntimeError(f"cudaHostRegister of {len(view)} bytes of staging memory failed (CUDA error {err})")
+def page_lock(pool: BufferPool) -> bool:
+    """Page-lock ``pool``'s buffers for the rest of its life; whether all of them are.
+
+    Where the runtime refuses (memory limits, a range registered by someone
+    else), the rest stay pageable: copies into them still work, synchronously
+    and slower, and one warning says why. A save never fails for it.
+    """
+    locked = _LOCKED.get(pool)
+    if locked is not None:
+        return locked
+    rt = cudart.runtime()
+    addresses = []
+    locked = True
+    for view in pool.views:
+        address = _cio.address(view)
+        try:
+            cudart.host_register(rt, address, len(view))
+        except cudart.CudaError as e:
+            log_once(f"fp-dcp: host memory for GPU copies stays pageable (copies from the GPU are slower): {e}")
+            locked = False
+            break
+        addresses.append(address)
+    pool.before_unmap(functools.partial(_unlock, rt, addresses))
+    _LOCKED[pool] = locked
+    return locked
 
 
-def unpin(view: memoryview) -> None:
-    _cudart().cudaHostUnregister(_cio.address(view))
+def _unlock(rt: cudart.Runtime, addresses: list[int]) -> None:
+    for address in addresses:
+        try:
+            cudart.host_unregister(rt, address)
+        except cudart.CudaError as e:  # runs as the pool goes: say it, unmap anyway
+            log.warning("fp-dcp: %s", e)
+    addresses.clear()
 
 
 class HostArea:
@@ -48,16 +74,10 @@ class HostArea:
     def __init__(self, nbytes: int, page_locked: bool) -> None:
         self.pool = BufferPool(align_up(max(nbytes, 1), PAGE), 1)
         self.view = self.pool.views[0]
-        self.pinned = False
-        if page_locked:
-            pin(self.view)
-            self.pinned = True
+        self.pinned = page_lock(self.pool) if page_locked else False
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
 
     def close(self) -> None:
-        if self.pinned:
-            unpin(self.view)
-            self.pinned = False
         del self.tensor
         self.pool.close()
 
@@ -69,10 +89,11 @@ class SideStream:
     there is no stream: copies are synchronous and events are None.
     """
 
-    def __init__(self, device: torch.device, capacity: int) -> None:
+    def __init__(self, device: torch.device, capacity: int, page_locked: bool) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.capacity = capacity
+        self.page_locked = page_locked  # whether its landing area is
         self._landing: HostArea | None = None
         self._scratch: torch.Tensor | None = None
 
@@ -91,11 +112,20 @@ class SideStream:
         if self.stream is not None and event is not None:
             self.stream.wait_event(event)
 
+    def caller_event(self) -> torch.cuda.Event | None:
+        """An event on the calling thread's current stream of this device (what it queued so far)."""
+        return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
+
+    def hold_caller(self, event: torch.cuda.Event | None) -> None:
+        """Make the calling thread's current stream of this device wait for ``event``."""
+        if self.stream is not None and event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     @property
     def landing(self) -> HostArea:
         """Host memory (page-locked) that a gather's one device-to-host copy lands in."""
         if self._landing is None:
-            self._landing = HostArea(self.capacity, page_locked=self.stream is not None)
+            self._landing = HostArea(self.capacity, self.page_locked)
         return self._landing
 
     @property

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import compat
-from ..config import IOConfig
 from ..format import SMALL_ALIGN
 from ..tensors import plain_layout
 from ..units import PAGE, align_up
-from .gather import Gather
 from .memory import HostArea, SideStream
+
+if TYPE_CHECKING:
+    from .streaming import Staging
 
 __all__ = ["local_tensor", "leaves", "rebuild", "Snapshot"]
 
@@ -70,9 +71,10 @@ class Snapshot:
     streaming at the same time.
     """
 
-    def __init__(self, config: IOConfig, gather: Gather) -> None:
-        self.config = config
-        self.gather = gather
+    def __init__(self, staging: Staging) -> None:
+        self.staging = staging  # which tensors are copied from a device, and which memory is page-locked
+        self.config = staging.config
+        self.gather = staging.gather()
         self.streams: dict[torch.device, SideStream] = {}
         self.key: tuple[Any, ...] | None = None
         self.arena: HostArea | None = None
@@ -90,7 +92,8 @@ class Snapshot:
             cursor = align_up(cursor, PAGE if sizes[i] > small else SMALL_ALIGN)
             self.offsets[i] = cursor
             cursor += sizes[i]
-        self.arena = HostArea(cursor, page_locked=any(t.device.type == "cuda" for t in tensors))
+        devices = {t.device for t in tensors if self.staging.copies(t)}
+        self.arena = HostArea(cursor, page_locked=any(map(self.staging.page_locks, devices)))
         arena = self.arena.tensor
         self.copies = [
             arena[o : o + n].view(t.dtype).reshape(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
@@ -108,16 +111,16 @@ class Snapshot:
         events = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            if t.device.type == "cpu":
+            if not self.staging.copies(t):
                 self.copies[i].copy_(t)  # materializes conjugate and negative views too
             elif t.numel():
                 by_device.setdefault(t.device, []).append(i)
         keep: list[Any] = []
         for device, indices in by_device.items():
             if device not in self.streams:
-                self.streams[device] = SideStream(device, self.config.buffer_size)
+                self.streams[device] = SideStream(device, self.config.buffer_size, self.staging.page_locks(device))
             side = self.streams[device]
-            side.wait_for(ready.get(device) or torch.cuda.current_stream(device).record_event())
+            side.wait_for(ready.get(device) or side.caller_event())
             with side.context():
                 self._copy_device(side, [tensors[i] for i in indices], indices, keep)
                 events.append(side.record())

@@ -31,7 +31,7 @@ from ..io.extents import Extent, Part
 from ..tensors import ByteSource, plain_layout
 from .copier import DeviceCopier
 from .gather import Gather
-from .memory import SideStream, pin, unpin
+from .memory import SideStream, page_lock
 from .snapshot import Snapshot
 
 __all__ = ["Staging", "CopyBatch", "StreamingCopier"]
@@ -41,21 +41,27 @@ class Staging:
     """A writer's GPU staging: side streams, its page-locked pool, the gather kernel, the snapshot.
 
     Created cheaply with the writer; CUDA is touched only once a save holds
-    GPU tensors. ``device_of`` and ``flat`` decide which sources it copies
-    (CUDA tensors); tests override them to run the same code on CPU tensors.
+    GPU tensors. ``copies`` decides which tensors it copies (CUDA ones) and
+    ``page_locks`` for which devices it page-locks host memory; tests
+    override both to run the same code on CPU tensors (``tests/cuda_double.py``).
+    Page-locked memory belongs to the pools it lives in (``memory.page_lock``),
+    so dropping a ``Staging`` without ``close`` leaks nothing.
     """
 
     def __init__(self, config: IOConfig) -> None:
         self.config = config
         self._streams: dict[torch.device, SideStream] = {}
-        self._pinned: list[memoryview] = []  # pool buffers page-locked for the GPU
-        self._pinned_pool: BufferPool | None = None
         self._gather: Gather | None = None
         self._snapshot: Snapshot | None = None
+        self.pinned: bool | None = None  # whether the last pool of a GPU save is page-locked
 
-    def device_of(self, source: ByteSource) -> torch.device | None:
-        """The device this engine copies ``source`` from, or None when the host pipeline reads it."""
-        return source.device_tensor.device if source.device_tensor is not None else None
+    def copies(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes are copied to the host by this engine (side streams, pinned memory)."""
+        return tensor.device.type == "cuda"
+
+    def page_locks(self, device: torch.device) -> bool:
+        """Whether host memory that ``device``'s copies land in is page-locked."""
+        return device.type == "cuda"
 
     def flat(self, source: ByteSource) -> torch.Tensor | None:
         """The source's bytes as one flat uint8 tensor on its device, or None if they are not contiguous there."""
@@ -67,7 +73,7 @@ class Staging:
     def side_stream(self, device: torch.device) -> SideStream:
         side = self._streams.get(device)
         if side is None:
-            side = self._streams[device] = SideStream(device, self.config.buffer_size)
+            side = self._streams[device] = SideStream(device, self.config.buffer_size, self.page_locks(device))
         return side
 
     def gather(self) -> Gather:
@@ -79,7 +85,7 @@ class Staging:
     def snapshot(self) -> Snapshot:
         """The writer's snapshot arena (``mode="snapshot"``), with side streams of its own."""
         if self._snapshot is None:
-            self._snapshot = Snapshot(self.config, self.gather())
+            self._snapshot = Snapshot(self)
         return self._snapshot
 
     @property
@@ -88,34 +94,21 @@ class Staging:
         return self.gather().backend
 
     def pin(self, pool: BufferPool) -> None:
-        """Page-lock the writer's pool buffers once, so device-to-host copies into them are asynchronous."""
-        if pool is self._pinned_pool:
-            return
-        self._unpin_pool()
-        for view in pool.views:
-            pin(view)
-            self._pinned.append(view)
-        self._pinned_pool = pool
-
-    def _unpin_pool(self) -> None:
-        for view in self._pinned:
-            unpin(view)
-        self._pinned.clear()
-        self._pinned_pool = None
+        """Page-lock the writer's pool buffers (once per pool), so device-to-host copies into them are asynchronous."""
+        self.pinned = page_lock(pool)
 
     def copier(self, ready: dict[torch.device, torch.cuda.Event] | None = None) -> StreamingCopier:
         """The ``DeviceCopier`` of one save; ``ready``: events the side streams wait for (async saves)."""
         return StreamingCopier(self, ready or {})
 
     def close(self) -> None:
-        """Release page-locked memory and device scratch; call before the pool is unmapped."""
+        """Release the snapshot arena, landing areas and device scratch now (garbage collection would too)."""
         if self._snapshot is not None:
             self._snapshot.close()
             self._snapshot = None
         for side in self._streams.values():
             side.close()
         self._streams.clear()
-        self._unpin_pool()
 
 
 def _crc(owner: Any, region: memoryview) -> None:
@@ -172,6 +165,9 @@ class StreamingCopier(DeviceCopier):
         self.ready = ready
         self.devices: set[torch.device] = set()
 
+    def copies(self, tensor: torch.Tensor) -> bool:
+        return self.staging.copies(tensor)
+
     def prepare(self, pool: BufferPool, sources: Iterable[ByteSource]) -> None:
         """Before the first read of a device tensor: streams wait for the values; the pool gets page-locked.
 
@@ -179,22 +175,25 @@ class StreamingCopier(DeviceCopier):
         them through the current (default) stream.
         """
         staging = self.staging
-        self.devices = {d for d in map(staging.device_of, sources) if d is not None}
-        if any(d.type == "cuda" for d in self.devices):
+        self.devices = {s.device_tensor.device for s in sources if s.device_tensor is not None}
+        if any(map(staging.page_locks, self.devices)):
             staging.pin(pool)
         for device in self.devices:
+            side = staging.side_stream(device)
             event = self.ready.get(device)
-            if event is None and device.type == "cuda":  # dcp.save: this thread's stream made the values
-                event = torch.cuda.current_stream(device).record_event()
-            elif event is not None:  # async_save: the values were made on the training thread's stream
-                torch.cuda.current_stream(device).wait_event(event)
-            staging.side_stream(device).wait_for(event)
+            if event is None:  # dcp.save: this thread's stream made the values
+                event = side.caller_event()
+            else:  # async_save: the values were made on the training thread's stream
+                side.hold_caller(event)
+            side.wait_for(event)
 
     def describe(self) -> str:
         if not self.devices:
             return "none"
+        unpinned = " (host memory pageable: page-locking was refused)" if self.staging.pinned is False else ""
         return (
-            f"side streams on {', '.join(sorted(map(str, self.devices)))}; small parts: {self.staging.gather_backend}"
+            f"side streams on {', '.join(sorted(map(str, self.devices)))}{unpinned}; "
+            f"small parts: {self.staging.gather_backend}"
         )
 
     def issue(self, buffer: memoryview, extent: Extent) -> CopyBatch | None:
@@ -206,7 +205,7 @@ class StreamingCopier(DeviceCopier):
         if not self.devices:
             return None
         staging = self.staging
-        parts = [p for p in extent.parts if staging.device_of(p.owner.source) is not None]
+        parts = [p for p in extent.parts if p.owner.source.device_tensor is not None]
         if not parts:
             return None
         batch = CopyBatch()
@@ -216,9 +215,7 @@ class StreamingCopier(DeviceCopier):
         for part in parts:
             batch.owners.add(id(part.owner))
             source = part.owner.source
-            device = staging.device_of(source)
-            assert device is not None
-            side = staging.side_stream(device)
+            side = staging.side_stream(source.device_tensor.device)
             flat = staging.flat(source)
             if flat is None:
                 region = buffer[part.buf_offset : part.buf_offset + part.length]

@@ -13,12 +13,19 @@ touched once at allocation:
 A writer or reader keeps its pool for its whole life. (The first pool of a
 process took 0.28 s per 128 MiB here, fresh memory from the host; later
 ones, reusing freed huge pages, 0.02 s.)
+
+Whoever registers the buffers somewhere that outlives a mapping (CUDA's
+page-locking) says how to undo it with ``before_unmap``: the pool runs that
+before it unmaps, whatever ends it (``close``, garbage collection of a pool
+nobody closed, interpreter exit), so no registration ever outlives its memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import weakref
+from collections.abc import Callable
 
 from ..units import PAGE
 
@@ -67,17 +74,31 @@ class BufferPool:
         self.huge = _huge_pages_enabled() and all(asked for _, asked in allocated)
         self.views = [memoryview(m) for m in self.maps]
         self.free: list[memoryview] = list(self.views)
+        self._undo: list[Callable[[], None]] = []
+        # Holds the mappings (not the pool): they stay mapped until it has run.
+        self._release = weakref.finalize(self, _unmap, self.maps, self.views, self._undo)
 
     @property
     def count(self) -> int:
         return len(self.maps)
 
+    def before_unmap(self, undo: Callable[[], None]) -> None:
+        """Have ``undo`` run before the buffers are unmapped (it must not refer to the pool)."""
+        self._undo.append(undo)
+
     def close(self) -> None:
-        """Unmap the buffers now; one still referenced elsewhere is unmapped when that goes."""
+        """Run the ``before_unmap`` calls, then unmap the buffers; one still referenced elsewhere goes with that."""
         self.free.clear()
-        for view, m in zip(self.views, self.maps, strict=True):
-            with contextlib.suppress(BufferError):
-                view.release()
-                m.close()
-        self.views.clear()
-        self.maps.clear()
+        self._release()
+
+
+def _unmap(maps: list[mmap.mmap], views: list[memoryview], undo: list[Callable[[], None]]) -> None:
+    for call in undo:
+        call()
+    undo.clear()
+    for view, m in zip(views, maps, strict=True):
+        with contextlib.suppress(BufferError):
+            view.release()
+            m.close()
+    views.clear()
+    maps.clear()

@@ -74,7 +74,7 @@ class _Item:
         return ItemLocation(name, self.offset, self.source.nbytes, self.crc, digest, self.sample)
 
 
-def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _Item:
+def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int, copier: DeviceCopier) -> _Item:
     fqn = write_item.index.fqn
     data = planner.resolve_data(write_item)
     if write_item.type == WriteItemType.BYTE_IO:
@@ -84,7 +84,7 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int) -> _I
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected a tensor")
     check_storable(data, fqn)
-    source = ByteSource(data, slab_bytes)
+    source = ByteSource(data, slab_bytes, copier.copies(data))
     expected = stored_nbytes(write_item)
     if source.nbytes != expected:
         raise ValueError(f"{fqn!r}: the plan expects {expected} bytes but the tensor holds {source.nbytes}")
@@ -129,7 +129,7 @@ def write_files(
     filled or, when extents were written straight from tensor memory, once
     those writes completed.
     """
-    resolved = [_resolve(wi, planner, pool.size) for wi in write_items]
+    resolved = [_resolve(wi, planner, pool.size, copier) for wi in write_items]
     copier.prepare(pool, [it.source for it in resolved])
     references: dict[int, ItemLocation] = {}
     if incremental is not None:

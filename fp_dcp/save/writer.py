@@ -24,9 +24,7 @@ from ..config import IOConfig
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
-from ..gpu.streaming import Staging
 from ..io import files
-from ..io.engine import IOResources
 from ..units import PAGE, align_up
 from . import commit
 from .checkpoint_path import checkpoint_directory
@@ -34,6 +32,7 @@ from .controls import SaveControls
 from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
 from .placement import Placement, data_directories
+from .resources import WriterResources, shared_resources
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
 
@@ -60,24 +59,6 @@ class SaveSummary:
     def describe_io(self) -> str:
         """``io_uring, O_DIRECT``: the engine and how the files were opened."""
         return f"{self.engine}, {'O_DIRECT' if self.direct_io else 'page cache'}"
-
-
-# Resources of writers unpickled in this process, by writer id. DCP's
-# process executor sends a fresh pickled copy of the writer with every save;
-# this lets all copies of one writer share warm buffers and one engine.
-_RUNTIMES: dict[str, _Runtime] = {}
-
-
-class _Runtime:
-    """What a writer keeps between saves and never pickles."""
-
-    def __init__(self, config: IOConfig) -> None:
-        self.staging = Staging(config)
-        self.io = IOResources(config)
-
-    def close(self) -> None:
-        self.staging.close()  # first: it unpins the pool buffers, which the engine then unmaps
-        self.io.close()
 
 
 class FastPersistWriter(StorageWriter):
@@ -195,19 +176,15 @@ class FastPersistWriter(StorageWriter):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
         self.mode: Mode = mode
         self._id = uuid.uuid4().hex
-        self._start()
+        self._start(WriterResources(self.config))
 
-    def _start(self) -> None:
+    def _start(self, resources: WriterResources) -> None:
         """The per-process state: made by ``__init__`` and again where the writer is unpickled."""
-        runtime = _RUNTIMES.get(self._id)
-        if runtime is None:
-            runtime = _Runtime(self.config)
-        self._runtime = runtime
-        self._staging = runtime.staging
-        self._io = runtime.io
+        self._resources = resources
+        self._staging = self._resources.staging
+        self._io = self._resources.io
         self._async = AsyncSaves()
         self._staged: StagedSave | None = None  # the async save now running, if any
-        self._busy = threading.Lock()  # held while a save's data is written
         self._cancel = threading.Event()
         self.save_id = str(uuid.uuid4())
         self.rank = 0
@@ -248,8 +225,7 @@ class FastPersistWriter(StorageWriter):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._start()
-        _RUNTIMES[self._id] = self._runtime
+        self._start(shared_resources(self._id, self.config))
 
     @property
     def path(self) -> str:
@@ -304,7 +280,7 @@ class FastPersistWriter(StorageWriter):
         staged, self._staged = self._staged, None  # the async_save this is, from set_up; None for dcp.save
         controls = SaveControls(self._cancel, staged.release if staged else None)
         try:
-            with self._busy:  # async saves run in DCP's threads: one pipeline at a time
+            with self._resources.busy:  # async saves run in DCP's threads: one pipeline at a time
                 return self._write_data(plan, planner, controls, staged)
         except BaseException as e:
             self._release_lock()  # this save is over: a retry, by this writer or a new one, finds the directory free
@@ -452,7 +428,7 @@ class FastPersistWriter(StorageWriter):
         and nothing is published; DCP reports the error on every rank. A no-op
         when no save is in progress.
         """
-        if self._busy.locked() or self._async.pending():
+        if self._resources.busy.locked() or self._async.pending():
             self._cancel.set()
 
     # -------------------------------------------------------------- resources
@@ -466,8 +442,7 @@ class FastPersistWriter(StorageWriter):
         """Wait for async saves in flight, then release the staging buffers, snapshot, I/O engine and lock."""
         self._async.close()
         self._release_lock()
-        self._runtime.close()
-        _RUNTIMES.pop(self._id, None)
+        self._resources.close()
 
     def __enter__(self) -> FastPersistWriter:
         return self

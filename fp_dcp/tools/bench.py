@@ -54,12 +54,12 @@ FIO = f"fio depth {FIO_DEPTH}"
 DD = "dd oflag=direct"
 
 
-def llm_state_dict(total_bytes: int, seed: int = 0) -> dict[str, Any]:
-    """About ``total_bytes`` of a Llama-shaped model's training state."""
-    g = torch.Generator().manual_seed(seed)
+def llm_state_dict(total_bytes: int, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """About ``total_bytes`` of a Llama-shaped model's training state, its tensors made on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device).to(dtype)
 
     h, ffn, vocab = 4096, 11008, 32000
     sd: dict[str, Any] = {

@@ -1,0 +1,125 @@
+"""Page-locked memory has one owner and one lifetime, whatever ends it; fp-dcp never leaves a CUDA error behind.
+
+On machines without a GPU these run through the CUDA runtime double (``cuda_double.py``),
+which keeps the runtime's ledger of registered ranges and its rules; on CUDA machines the
+``gpu`` tests run against the real runtime too.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import empty_like, load, same_bytes
+from cuda_double import ALREADY_REGISTERED, INVALID_VALUE, MEMORY_ALLOCATION, NOT_REGISTERED, CpuAsDevice
+
+import fp_dcp.log
+import fp_dcp.save.resources
+from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, _cio
+from fp_dcp.gpu.memory import page_lock
+from fp_dcp.io.buffers import BufferPool
+
+pytestmark = pytest.mark.gpu
+
+SMALL_POOL = IOConfig(buffer_size=64 * 1024, num_buffers=3, block_size=16 * 1024, staging_chunk=16 * 1024)
+
+
+def test_the_double_keeps_the_runtimes_rules(cuda_double):
+    rt = cuda_double
+    pool = BufferPool(8192, 2)
+    first, second = (_cio.address(v) for v in pool.views)
+    assert rt.cudaHostRegister(first, 8192, 1) == 0
+    assert rt.cudaHostRegister(first + 4096, 4096, 1) == ALREADY_REGISTERED  # overlaps: error 712
+    assert rt.last_error == ALREADY_REGISTERED  # kept until read
+    assert rt.cudaHostRegister(second, 4096, 1) == 0  # a later success does not clear it
+    assert rt.cudaGetLastError() == ALREADY_REGISTERED and rt.cudaGetLastError() == 0
+    assert rt.cudaHostUnregister(first + 4096) == NOT_REGISTERED  # not the start of a registered range
+    assert rt.cudaHostRegister(id(rt), 64, 1) == INVALID_VALUE  # not memory a pool mapped
+    assert rt.cudaHostUnregister(second) == 0
+    pool.close()  # its buffers go with the first still registered: the double sees it
+    assert any("unmapped while registered" in p for p in rt.problems())
+    assert any("left registered" in p for p in rt.problems())
+    rt.registered.clear(), rt.unmapped.clear(), rt.failed.clear(), rt.cudaGetLastError()
+
+
+def test_a_pool_is_page_locked_once_and_unlocked_before_it_is_unmapped(cuda_double):
+    pool = BufferPool(65536, 3)
+    assert page_lock(pool) and page_lock(pool)  # the second call finds it locked: nothing registered twice
+    assert cuda_double.registrations == 3 and all(cuda_double.is_registered(v) for v in pool.views)
+    del pool
+    gc.collect()  # nobody closed it: its finalizer unlocks, then unmaps
+    assert cuda_double.registered == {} and cuda_double.unmapped == []
+
+
+def _cycle(i: int, root, state: dict, config: IOConfig, monkeypatch) -> None:
+    """One writer's life, ended without close(): the ways a program drops one."""
+    path = str(root / f"c{i}")
+    kind = i % 6
+    if kind == 0:  # dcp.save with the mission's one-liner
+        dcp.save(state, storage_writer=FastPersistWriter(path, config=config))
+    elif kind in (1, 2):  # async saves, snapshot and streaming
+        writer = FastPersistWriter(path, config=config, mode="snapshot" if kind == 1 else "streaming")
+        dcp.async_save(state, storage_writer=writer, async_stager=writer).upload_completion.result(timeout=60)
+    elif kind == 3:  # the copies DCP's process executor unpickles, one per save, sharing their resources
+        pickled = pickle.dumps(FastPersistWriter(path, config=config))
+        first, second = pickle.loads(pickled), pickle.loads(pickled)
+        assert first._resources is second._resources
+        dcp.save(state, storage_writer=first)
+        dcp.save(state, storage_writer=second)
+    elif kind == 4:  # a manager's writer, async, never closed
+        manager = CheckpointManager(root / f"m{i}", config=config)
+        manager.save(1, state)
+        manager.wait()
+    else:  # an exception in the middle of a save
+        monkeypatch.setenv("FP_DCP_FAULT_AT", "2")
+        with pytest.raises(BaseException, match="injected fault"):
+            dcp.save(state, storage_writer=FastPersistWriter(path, config=config))
+        monkeypatch.delenv("FP_DCP_FAULT_AT")
+        return
+    target = empty_like({k: v.cpu() for k, v in state.items()})
+    load(target, root / f"m{i}" / "step-1" if kind == 4 else path)
+    assert all(same_bytes(target[k], v.cpu()) for k, v in state.items()), i
+
+
+def test_dropped_writers_leave_nothing_registered_and_no_error_behind(tmp_path, gpu, monkeypatch):
+    """100 writers dropped without close(), in one process: then nothing registered, nothing pending, CUDA healthy."""
+    if gpu.double is not None:
+        monkeypatch.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)  # also in copies and the manager
+    g = torch.Generator(device=gpu.device).manual_seed(3)
+    state = {"w": torch.randn(300, 1000, generator=g, device=gpu.device), "b": torch.randn(77, device=gpu.device)}
+    state.update({f"s{i}": torch.full((i + 1,), float(i), device=gpu.device) for i in range(20)})
+    config = SMALL_POOL if gpu.double is not None else IOConfig()  # the default pool where it is real
+    for i in range(100):
+        _cycle(i, tmp_path, state, config, monkeypatch)
+        gc.collect()
+    if gpu.double is not None:
+        assert gpu.double.registrations >= 100  # page-locking happened, through the double
+        assert gpu.double.problems() == []
+    else:
+        x = torch.randn(1 << 20, device="cuda")  # the launch that tripped over fp-dcp's error before
+        assert torch.isfinite(x.sum()).item()
+
+
+def test_a_refused_page_lock_saves_unpinned_with_one_warning(tmp_path, cuda_double, monkeypatch, caplog):
+    monkeypatch.setattr(fp_dcp.log, "_logged", set())
+    cuda_double.refuse = MEMORY_ALLOCATION
+    state = {"w": torch.randn(200, 500), "s": torch.arange(10)}
+    with caplog.at_level(logging.WARNING, logger="fp_dcp"):
+        for _ in range(3):
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)
+                writer = FastPersistWriter(tmp_path, config=SMALL_POOL)
+            dcp.save(state, storage_writer=writer)
+    warnings = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(warnings) == 1 and "out of memory" in warnings[0] and "cudaHostRegister" in warnings[0], warnings
+    assert "page-locking was refused" in writer.last_save.staging
+    assert cuda_double.last_error == 0  # cleared at once, never left for torch
+    assert cuda_double.failed and cuda_double.registered == {}
+    target = empty_like(state)
+    load(target, tmp_path)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    cuda_double.failed.clear()  # refused on purpose
