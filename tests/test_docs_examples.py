@@ -41,6 +41,10 @@ Run with ``-s`` to see which blocks ran.
 The rules docs/format.md gives for finding data files are checked against
 fp-dcp's own, case by case: its recipe must find the same files, or refuse
 the same checkpoints, as ``fp_dcp.checkpoint.open_checkpoint``.
+
+The scripts in examples/ that a test here names run as a user runs them, in
+a process of their own; examples/durable_s3.py against a real S3 server
+(SeaweedFS), started for it and stopped by its process id.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import types
 import warnings
@@ -64,6 +69,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dist_util import run_ranks
 from test_bad_input import rewrite_footer
+from tiers_util import seaweedfs
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio
 from fp_dcp.checkpoint import open_checkpoint
@@ -349,6 +355,23 @@ def test_format_page_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypat
     assert (by_page == by_fp_dcp) if isinstance(by_fp_dcp, dict) else isinstance(by_page, str), (by_page, by_fp_dcp)
     refused = {"given, too few", "relative, nowhere"}
     assert isinstance(by_fp_dcp, str) == (case in refused), by_fp_dcp
+
+
+def test_durable_store_example(tmp_path):
+    """examples/durable_s3.py with the endpoint and credentials as FsspecStore options, none in the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PYTHONPATH"] = str(ROOT)  # this tree's fp_dcp, whatever is installed
+    with seaweedfs() as s3:
+        options = ["--endpoint", s3["AWS_ENDPOINT_URL"], "--key", s3["AWS_ACCESS_KEY_ID"]]
+        options += ["--secret", s3["AWS_SECRET_ACCESS_KEY"]]
+        example = [sys.executable, str(ROOT / "examples" / "durable_s3.py"), "--bucket", "fp-dcp", *options]
+        run = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    saved, restored = run.stdout.splitlines()
+    # the drain of step 2 may still wait for step 1's when step 3 is saved: then only 1 and 3 are drained
+    assert re.fullmatch(r"saved steps 1, 2, 3; s3://fp-dcp/fp-dcp-example holds steps \[[12], 3\]", saved), saved
+    assert restored == "local root deleted; restored step 3 from s3://fp-dcp/fp-dcp-example: bit-exact", restored
+    assert "1 file(s) from durable storage" in run.stderr  # the local root was empty: the bucket was read
 
 
 def test_matching_rules():
