@@ -183,7 +183,11 @@ def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
     if footer.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: footer names format {footer.get('format')!r}")
     version = footer.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < 1:  # True is an int to isinstance, and no version
+        raise CorruptCheckpointError(
+            f"{where}: footer gives format_version {version!r}; fp-dcp's format versions are integers from 1"
+        )
+    if version > FORMAT_VERSION:
         raise IncompatibleCheckpointError(
             f"{where} was written in fp-dcp format version {version}; this fp-dcp reads "
             f"versions up to {FORMAT_VERSION}: upgrade fp-dcp"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import (
     CheckpointExistsError,
+    CorruptCheckpointError,
     FastPersistReader,
     FastPersistWriter,
     IncompatibleCheckpointError,
@@ -152,6 +154,14 @@ def test_reader_refuses_a_future_format_version(ckpt):
     with pytest.raises(
         IncompatibleCheckpointError, match=f"format version {newer}; this fp-dcp reads versions up to {known}"
     ):
+        FastPersistReader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize("version", [0, -1, True, "2", 2.0, None])
+def test_reader_refuses_a_format_version_that_is_no_version(ckpt, version):
+    save({"w": torch.ones(2)}, ckpt)
+    rewrite_footer(ckpt, format_version=version)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"footer gives format_version {version!r}")):
         FastPersistReader(ckpt).read_metadata()
 
 

@@ -33,10 +33,18 @@ and ``FastPersistSavePlanner``, which cuts one tensor into row chunks. The
 blocks see ``saved``: the state dicts the two were saved from, by name, to
 compare what they read with. The prefix ``/nvme/`` in python blocks (the
 docs' example mount point of a fast disk) is rewritten to that directory,
-and the module ``crc32c`` (the PyPI package docs/format.md names) is
-fp-dcp's own CRC-32C if the package is not installed: it computes the same
-function.
+and the modules ``crc32c`` and ``xxhash`` (the PyPI packages docs/format.md
+names) are fp-dcp's own CRC-32C and XXH3-128 if the packages are not
+installed: they compute the same functions.
 Run with ``-s`` to see which blocks ran.
+
+The rules docs/format.md gives for finding data files are checked against
+fp-dcp's own, case by case: its recipe must find the same files, or refuse
+the same checkpoints, as ``fp_dcp.checkpoint.open_checkpoint``.
+
+The scripts in examples/ that a test here names run as a user runs them, in
+a process of their own; examples/durable_s3.py against a real S3 server
+(SeaweedFS), started for it and stopped by its process id.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import types
 import warnings
@@ -59,8 +68,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_util import run_ranks
+from test_bad_input import rewrite_footer
+from tiers_util import seaweedfs
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio
+from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.errors import CheckpointError
 from fp_dcp.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +213,12 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
     return ran
 
 
+def xxh3_128_hexdigest(data: bytes) -> str:
+    hasher = _cio.Hash128()
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
 def save_on_rank(rank: int, world: int, path: str, data_dirs: list[str], state: dict[str, Any]) -> None:
     writer = FastPersistWriter(path, data_dirs=data_dirs, lanes_per_dir=2)
     dcp.save(state, storage_writer=writer, planner=FastPersistSavePlanner(split_bytes=1024, chunks_per_rank=2))
@@ -218,12 +237,19 @@ def two_rank_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     return root, state
 
 
+def stand_in_for_hash_packages(monkeypatch) -> None:
+    """fp-dcp's own CRC-32C and XXH3-128 as the PyPI packages docs/format.md names, if those are not installed."""
+    if importlib.util.find_spec("crc32c") is None:
+        monkeypatch.setitem(sys.modules, "crc32c", types.SimpleNamespace(crc32c=_cio.crc32c))
+    if importlib.util.find_spec("xxhash") is None:
+        monkeypatch.setitem(sys.modules, "xxhash", types.SimpleNamespace(xxh3_128_hexdigest=xxh3_128_hexdigest))
+
+
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch, two_rank_checkpoint) -> tuple[Path, dict[str, Any]]:
     """The docs' working directory, and the state dicts of the checkpoints in it."""
     monkeypatch.chdir(tmp_path)
-    if importlib.util.find_spec("crc32c") is None:
-        monkeypatch.setitem(sys.modules, "crc32c", types.SimpleNamespace(crc32c=_cio.crc32c))
+    stand_in_for_hash_packages(monkeypatch)
     state = {
         "w": torch.randn(300, 70).to(torch.bfloat16),
         "b": torch.arange(5),
@@ -243,6 +269,109 @@ def test_doc_examples_run(doc, sandbox):
     directory, saved = sandbox
     ran = run_doc(doc, directory, {"__name__": "__doc_example__", "saved": saved})
     print(f"\n{doc.relative_to(ROOT)}: ran {len(ran)} blocks: {', '.join(ran) or 'none'}")
+
+
+def arrange(case: str, tmp: Path) -> tuple[str, list[str] | None]:
+    """A checkpoint laid out under ``tmp``, the working directory, as ``case`` says: (its path, data_dirs to give)."""
+    state = {"w": torch.randn(64, 64), "o": {"x": 1}}
+    if case == "incremental, moved":
+        writer = FastPersistWriter(incremental=True, data_dirs=[tmp / "run" / "d0"])
+        dcp.save(state, checkpoint_id=tmp / "run" / "s1", storage_writer=writer)
+        writer.base = tmp / "run" / "s1"
+        dcp.save(state, checkpoint_id=tmp / "run" / "s2", storage_writer=writer)  # references s1's w
+        shutil.move(tmp / "run", tmp / "moved")
+        return "moved/s2", None
+    dirs = [tmp / "run" / "d0", tmp / "run" / "d1"]
+    dcp.save(state, storage_writer=FastPersistWriter(tmp / "run" / "ck", data_dirs=dirs, lanes_per_dir=2))
+    if case.startswith("relative"):  # as an older fp-dcp recorded them, saving from `run`
+        rewrite_footer(tmp / "run" / "ck", data_dirs=["d0", "d1"])
+        if case == "relative, in the working directory":
+            for d in dirs:
+                shutil.move(d, tmp)
+        elif case == "relative, nowhere":
+            for d in dirs:
+                shutil.rmtree(d)
+        return "run/ck", None
+    if case == "in place":
+        return "run/ck", None
+    shutil.move(tmp / "run", tmp / "moved")
+    subdir = open_checkpoint(tmp / "moved" / "ck", [tmp / "moved" / "d0", tmp / "moved" / "d1"]).footer["data_subdir"]
+    if case == "moved, through a symlink":
+        (tmp / "link").mkdir()
+        (tmp / "link" / "ck").symlink_to(tmp / "moved" / "ck")
+        return "link/ck", None
+    if case.startswith("gathered"):
+        into = tmp / "moved" / "ck" / (subdir if case == "gathered under the subdirectory" else "")
+        into.mkdir(exist_ok=True)
+        for d in ("d0", "d1"):
+            for f in (tmp / "moved" / d / subdir).iterdir():
+                shutil.move(f, into)
+        return "moved/ck", None
+    if case == "short copy first":
+        original = next((tmp / "moved" / "d0" / subdir).iterdir())
+        shutil.copytree(tmp / "moved" / "d0", tmp / "run" / "d0")  # the recorded place holds a whole copy, found later
+        os.truncate(original, 10)
+        return "moved/ck", None
+    given = {"given": 2, "given, too few": 1, "given, more": 3, "given, none": 0}
+    return "moved/ck", [f"moved/d{i}" for i in range(given[case])] if case in given else None
+
+
+FINDING_CASES = [
+    "in place",
+    "moved",
+    "moved, through a symlink",
+    "given",
+    "given, too few",
+    "given, more",
+    "given, none",
+    "gathered beside .metadata",
+    "gathered under the subdirectory",
+    "short copy first",
+    "relative, beside the checkpoint",
+    "relative, in the working directory",
+    "relative, nowhere",
+    "incremental, moved",
+]
+
+
+@pytest.mark.parametrize("case", FINDING_CASES)
+def test_format_page_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    stand_in_for_hash_packages(monkeypatch)
+    (recipe,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def data_file_paths" in b.text]
+    page: dict[str, Any] = {}
+    exec(recipe.text, page)
+    path, data_dirs = arrange(case, tmp_path)
+
+    def found(where: Any) -> dict[str, str] | str:
+        try:
+            return {name: os.path.normpath(p) for name, p in where().items()}
+        except (AssertionError, CheckpointError) as e:
+            return f"refused: {type(e).__name__}"
+
+    footer, md = page["read_metadata"](path)
+    by_page = found(lambda: page["data_file_paths"](path, footer, md, data_dirs))
+    by_fp_dcp = found(lambda: open_checkpoint(path, data_dirs).files)
+    assert (by_page == by_fp_dcp) if isinstance(by_fp_dcp, dict) else isinstance(by_page, str), (by_page, by_fp_dcp)
+    refused = {"given, too few", "relative, nowhere"}
+    assert isinstance(by_fp_dcp, str) == (case in refused), by_fp_dcp
+
+
+def test_durable_store_example(tmp_path):
+    """examples/durable_s3.py with the endpoint and credentials as FsspecStore options, none in the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["PYTHONPATH"] = str(ROOT)  # this tree's fp_dcp, whatever is installed
+    with seaweedfs() as s3:
+        options = ["--endpoint", s3["AWS_ENDPOINT_URL"], "--key", s3["AWS_ACCESS_KEY_ID"]]
+        options += ["--secret", s3["AWS_SECRET_ACCESS_KEY"]]
+        example = [sys.executable, str(ROOT / "examples" / "durable_s3.py"), "--bucket", "fp-dcp", *options]
+        run = subprocess.run(example, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    saved, restored = run.stdout.splitlines()
+    # the drain of step 2 may still wait for step 1's when step 3 is saved: then only 1 and 3 are drained
+    assert re.fullmatch(r"saved steps 1, 2, 3; s3://fp-dcp/fp-dcp-example holds steps \[[12], 3\]", saved), saved
+    assert restored == "local root deleted; restored step 3 from s3://fp-dcp/fp-dcp-example: bit-exact", restored
+    assert "1 file(s) from durable storage" in run.stderr  # the local root was empty: the bucket was read
 
 
 def test_matching_rules():
