@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.checkpoint import open_checkpoint
-from fp_dcp.load.pipeline import Catalog
+from fp_dcp.load.catalog import FastPersistCatalog
 from fp_dcp.load.sharing import plan_exchange
 
 
@@ -143,7 +143,7 @@ def test_shared_items_are_read_by_a_rank_that_sees_their_file(tmp_path):
     planner = DefaultLoadPlanner()
     planner.set_up_planner({k: torch.zeros_like(v) for k, v in replicated_state().items()}, metadata, True)
     plan = planner.create_local_plan()
-    catalog = Catalog(open_checkpoint(path))
+    catalog = FastPersistCatalog(open_checkpoint(path))
     (name,) = {loc.file for loc in catalog.locations.values()}
     balanced = plan_exchange([plan, plan, plan], catalog, [{name}] * 3)
     assert set(balanced.readers.values()) == {0, 1, 2}  # the bytes spread over every rank that can read them

@@ -2,7 +2,7 @@
 
 Per file, items are visited in storage order. For each, only the byte runs
 its requested region occupies are read: a whole item is one run (and its
-checksum is verified), a slice along the first dimensions is one shorter run,
+checksum is verified, where the catalogue has one), a slice along the first dimensions is one shorter run,
 other boxes are one run per contiguous row segment; holes between runs are
 read through rather than split while that adds at most 5% to the bytes read. Runs go
 straight into the target tensor where its memory and the file offset are
@@ -22,11 +22,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from .. import _cio
-from ..checkpoint import Checkpoint
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
@@ -36,34 +34,12 @@ from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, open_file
 from ..io.progress import Progress
 from ..tensors import ByteSink
+from .catalog import Catalog
 
-__all__ = ["Catalog", "read_items"]
+__all__ = ["read_items"]
 
 _MAX_WASTE = 0.05  # read through holes between needed runs while they add at most 5% to the bytes read
 _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
-
-
-class Catalog:
-    """What the read pipeline needs from an fp-dcp checkpoint's metadata, indexed for lookup."""
-
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        metadata = checkpoint.metadata
-        self.locations = {index: ItemLocation._make(value) for index, value in metadata.storage_data.items()}
-        self.file_sizes = checkpoint.file_sizes
-        self.paths = checkpoint.files
-        self.chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    self.chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
-
-    def location(self, req: ReadItem) -> ItemLocation:
-        try:
-            return self.locations[req.storage_index]
-        except KeyError:
-            raise CorruptCheckpointError(
-                f"the checkpoint metadata has no stored bytes for {req.storage_index}"
-            ) from None
 
 
 def byte_runs(sizes: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int) -> list[tuple[int, int]]:
@@ -157,14 +133,17 @@ def _finish(item: _Item, planner: LoadPlanner) -> None:
 
 
 def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview) -> int:
-    """Complete ``req`` from ``data``, the whole stored item (another rank read it), checking its CRC-32C first.
+    """Complete ``req`` from ``data``, the whole stored item (another rank read it), checking its CRC-32C first
+    where the catalogue has one.
 
     Returns the bytes of the region ``req`` asks for.
     """
     loc = catalog.location(req)
     item = _Item(req, loc)
-    crc = _cio.crc32c(data)
-    if len(data) != loc.length or crc != loc.crc32c:
+    if len(data) != loc.length:
+        raise CorruptCheckpointError(f"{item.describe()}: received {len(data)} bytes from a peer")
+    crc = _cio.crc32c(data) if catalog.checksums else loc.crc32c
+    if crc != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
     _prepare(item, planner, catalog, verify=False)
     if item.total:
@@ -252,7 +231,9 @@ def read_items(
 
     Neighbouring items of a file are read with one request where the holes
     between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
+    ``verify``: check the CRC-32C of items read whole, where the catalogue has them.
     """
+    verify = verify and catalog.checksums
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:
         loc = catalog.location(req)

@@ -25,7 +25,8 @@ from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
 from ..net.group import Group, node_name
 from ..net.transport import Transport
-from .pipeline import Catalog, ReadCounts, read_items
+from .catalog import Catalog, FastPersistCatalog
+from .pipeline import ReadCounts, read_items
 from .sharing import Exchange, plan_exchange, read_shared
 
 __all__ = ["FastPersistReader", "LoadSummary"]
@@ -169,7 +170,7 @@ class FastPersistReader(StorageReader):
             # it reads through the metadata handed to set_up_storage_reader: no second read
             self._stock = FileSystemReader(self.path, self._extension_registry)
         else:
-            self._catalog = Catalog(checkpoint)
+            self._catalog = FastPersistCatalog(checkpoint)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -18,7 +18,10 @@ one transfer (``fp_dcp.net``, gloo); receivers check every item's CRC-32C
 again and copy out the part their plan asks for, so resharding works as
 with a plain read. A damaged item is sent as zeros: every rank that needs it
 fails, naming it, and the reading rank fails too, after the exchange is over
-so that no rank waits forever. Memory: one window of items per rank.
+so that no rank waits forever. Memory: one window of items per rank. In a
+format without checksums (``Catalog.checksums`` False) only the reading rank
+can tell that an item is damaged (a short file, a failed read); its failure
+then fails the load on every rank, through DCP.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from ..io.buffers import BufferPool
 from ..io.engine import Engine
 from ..net.transport import MemorySink, MemorySource, Transfer, Transport
 from ..units import MiB
-from .pipeline import Catalog, ReadCounts, fill_from_bytes, read_items
+from .catalog import Catalog
+from .pipeline import ReadCounts, fill_from_bytes, read_items
 
 __all__ = ["Exchange", "plan_exchange", "read_shared", "WINDOW"]
 

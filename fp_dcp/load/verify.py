@@ -44,7 +44,7 @@ from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile, open_file
 from ..io.progress import Progress, ProgressCallback
 from ..units import PAGE, MiB, align_up
-from .pipeline import Catalog
+from .catalog import FastPersistCatalog
 
 __all__ = ["VerifyReport", "verify_checkpoint", "StreamCheck", "items_by_file"]
 
@@ -113,7 +113,7 @@ def verify_checkpoint(
         return VerifyReport(directory, False, [str(e)], 0, 0, 0)
     if checkpoint.kind == "dcp":
         return _verify_stock(checkpoint)
-    catalog = Catalog(checkpoint)
+    catalog = FastPersistCatalog(checkpoint)
     problems = _check_metadata(checkpoint.metadata, catalog)
     by_file: dict[str, list[_Item]] = {name: [] for name in catalog.paths}
     for index, loc in catalog.locations.items():
@@ -140,7 +140,7 @@ def verify_checkpoint(
     return VerifyReport(directory, not problems, problems, len(catalog.locations), checked, len(catalog.paths))
 
 
-def _check_metadata(metadata: Metadata, catalog: Catalog) -> list[str]:
+def _check_metadata(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
     """Entries the metadata describes but stores nowhere, and stored lengths that disagree with shapes."""
     problems = []
     stored = {(index.fqn, tuple(index.offset) if index.offset is not None else None) for index in catalog.locations}
