@@ -78,7 +78,13 @@ class IOConfig:
             enabled, and writes in place elsewhere.
             On a virtio disk the copy saved at 1.5x the speed of writing in
             place (~730 KiB requests against 4 MiB), for ~0.1 more
-            CPU-seconds per GB. Loads read in place either way.
+            CPU-seconds per GB.
+        direct_reads: the same choice for loads: ``True`` reads runs of at
+            least ``direct_min`` bytes straight into the target tensors,
+            ``False`` reads every byte into the staging buffers and copies it
+            into place (checksummed in the same pass), ``None`` (auto) decides
+            as ``direct_writes`` does. Targets in GPU memory are always read
+            through the (page-locked) staging buffers.
         staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied
             device-to-host into the staging buffers in pieces of at most this
             many bytes, each followed by a CUDA event, so that the checksum of
@@ -100,6 +106,7 @@ class IOConfig:
     io_threads: int = 4
     direct_min: int = 1 * MiB
     direct_writes: bool | None = None
+    direct_reads: bool | None = None
     staging_chunk: int = 8 * MiB
     gather_max: int = 256 * 1024
 

@@ -153,12 +153,15 @@ def _host_bytes(slab: torch.Tensor) -> memoryview:
 
 
 class ByteSink:
-    """Where an item's bytes go when reading: ``memory`` (``nbytes`` long), then ``commit``.
+    """Where an item's bytes go when reading: ``memory`` (``nbytes`` long) or ``device``, then ``commit``.
 
     The target tensor is filled in place when it is a contiguous CPU tensor of
-    the stored dtype and shape; otherwise a host tensor of ``shape`` is filled
-    and ``commit`` copies it (or its ``region``: per-dimension offsets and
-    lengths) into the target, converting dtype and device as needed.
+    the stored dtype and shape; one the read pipeline's device path fills
+    (``on_device``: a GPU tensor) has its bytes as ``device`` instead, a flat
+    uint8 view written by host-to-device copies, and no ``memory``. Otherwise
+    a host tensor of ``shape`` is filled and ``commit`` copies it (or its
+    ``region``: per-dimension offsets and lengths) into the target,
+    converting dtype and device as needed.
     """
 
     def __init__(
@@ -167,10 +170,19 @@ class ByteSink:
         dtype: torch.dtype,
         shape: torch.Size,
         region: tuple[torch.Size, torch.Size] | None = None,
+        on_device: bool = False,
     ) -> None:
         self.target = target
         self.region = region
-        if region is None and _in_place(target) and target.dtype == dtype and target.shape == shape:
+        self.device: torch.Tensor | None = None
+        self.memory: memoryview | None = None
+        alike = region is None and target.dtype == dtype and target.shape == shape
+        if alike and on_device and plain_layout(target):
+            self.host = target
+            self.device = target.reshape(-1).view(torch.uint8)
+            self.nbytes = self.device.numel()
+            return
+        if alike and _in_place(target):
             self.host = target
         else:
             self.host = torch.empty(shape, dtype=dtype)

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cuda_double import CpuAsDevice, CudaRuntimeDouble
+from cuda_double import CpuAsDevice, CpuTargetsAsDevice, CudaRuntimeDouble
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fp_dcp.io.buffers
+import fp_dcp.load.reader
 import fp_dcp.save.resources
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
 from fp_dcp.gpu import cudart
@@ -115,6 +116,14 @@ class Gpu:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)
             return FastPersistWriter(*args, **kwargs)
+
+    def reader(self, *args: Any, **kwargs: Any) -> FastPersistReader:
+        """A reader whose device loads take this route (the same as any reader's on CUDA)."""
+        if self.double is None:
+            return FastPersistReader(*args, **kwargs)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fp_dcp.load.reader, "DeviceLoads", CpuTargetsAsDevice)
+            return FastPersistReader(*args, **kwargs)
 
     def page_locked(self, view: memoryview) -> bool:
         if self.double is not None:

@@ -23,7 +23,8 @@ not need.
 ``CpuAsDevice`` is a ``Staging`` that treats every tensor as device memory
 and page-locks the host memory its copies land in, so that CPU tensors take
 the GPU path (side streams without a stream, the gather, landing areas, the
-snapshot arena) and its page-locking goes through the double.
+snapshot arena) and its page-locking goes through the double;
+``CpuTargetsAsDevice`` does the same for loads.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from fp_dcp import _cio
+from fp_dcp.gpu.loading import DeviceLoads
 from fp_dcp.gpu.streaming import Staging
 
 SUCCESS = 0
@@ -154,6 +156,16 @@ class CpuAsDevice(Staging):
     """Every tensor as device memory, every landing area page-locked: the GPU code path, run on the CPU."""
 
     def copies(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def page_locks(self, device: torch.device) -> bool:
+        return True
+
+
+class CpuTargetsAsDevice(DeviceLoads):
+    """Every load target as device memory, the reader's pool page-locked: the GPU load path, run on the CPU."""
+
+    def takes(self, target: torch.Tensor) -> bool:
         return True
 
     def page_locks(self, device: torch.device) -> bool:

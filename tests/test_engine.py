@@ -19,6 +19,7 @@ from conftest import empty_like, load, save
 
 import fp_dcp
 from fp_dcp import IOConfig, _cio, log
+from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io import engine, files
 from fp_dcp.io.buffers import BufferPool
 
@@ -38,14 +39,14 @@ class Request(NamedTuple):
     address: int
 
 
-def record_writes(monkeypatch, kind: str) -> list[Request]:
-    """The direct write requests the ``kind`` engine will be handed, as they are queued."""
+def record_writes(monkeypatch, kind: str, writes: bool = True) -> list[Request]:
+    """The direct write (or read) requests the ``kind`` engine will be handed, as they are queued."""
     cls = engine.UringEngine if kind == "io_uring" else engine.ThreadEngine
     queue = cls._queue
     requests: list[Request] = []
 
     def recording(self, ticket, is_write, file, view, offset):
-        if is_write and file.direct:
+        if is_write == writes and file.direct:
             requests.append(Request(offset, len(view), _cio.address(view)))
         return queue(self, ticket, is_write, file, view, offset)
 
@@ -87,10 +88,9 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
 def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes, caps, huge, staged):
     """Where the disk's requests from 4 KiB pages are capped and huge pages can do better (auto), or
     when told, every byte goes through the staging buffers; else large items are written in place."""
-    from fp_dcp.io import buffers
-    from fp_dcp.save import pipeline
+    from fp_dcp.io import buffers, device
 
-    monkeypatch.setattr(pipeline, "scatter_caps_requests", lambda directory: caps)
+    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads")
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
@@ -98,6 +98,38 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
     tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in state.values()]
     from_tensors = [r for r in requests if any(lo <= r.address < hi for lo, hi in tensor_memory)]
     assert (not from_tensors) if staged else from_tensors, (direct_writes, len(requests), len(from_tensors))
+
+
+@pytest.mark.parametrize(
+    ("direct_reads", "caps", "huge", "staged"),
+    [
+        (True, True, True, False),
+        (False, False, False, True),
+        (None, True, True, True),  # auto: the disk takes larger requests than 4 KiB pages fill
+        (None, False, True, False),  # auto: it does not
+        (None, True, False, False),  # auto: no huge pages to fill them from
+    ],
+)
+def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_reads, caps, huge, staged):
+    """Loads decide as saves do: through the staging buffers (then copied into place, checksummed in the same
+    pass) where huge pages get the disk larger requests, else large items read straight into the targets."""
+    from fp_dcp.io import buffers, device
+
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
+    save(state, tmp_path / "ck")
+    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: caps)
+    monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
+    requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
+    target = {}  # each target's memory co-aligned with its bytes in the file, so that it can be read in place
+    for index, location in open_checkpoint(tmp_path / "ck").metadata.storage_data.items():
+        backing = torch.empty(location.length + 4096, dtype=torch.uint8)
+        skew = (location.offset - backing.data_ptr()) % 4096
+        target[index.fqn] = backing[skew : skew + location.length].view(torch.float32)
+    load(target, tmp_path / "ck", config=IOConfig(direct_io=True, direct_reads=direct_reads))
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in target.values()]
+    into_tensors = [r for r in requests if any(lo <= r.address < hi for lo, hi in tensor_memory)]
+    assert requests and ((not into_tensors) if staged else into_tensors), (direct_reads, len(requests))
     back = empty_like(state)
     load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in state.items())

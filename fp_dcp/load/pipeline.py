@@ -28,7 +28,9 @@ from .. import _cio
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
+from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
+from ..io.device import in_place
 from ..io.engine import Engine, ShortReadError
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, open_file
@@ -89,8 +91,10 @@ class _Item:
         return describe_item(self.req.storage_index, self.location)
 
 
-def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) -> None:
-    """Resolve the item's destination and the byte runs it needs."""
+def _prepare(
+    item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool, uploads: DeviceLoads | None, pool: BufferPool
+) -> None:
+    """Resolve the item's destination (device targets through ``uploads``) and the byte runs it needs."""
     req, loc = item.req, item.location
     if req.type == LoadItemType.BYTE_IO:
         item.sink = memoryview(bytearray(loc.length))
@@ -113,7 +117,10 @@ def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool) 
             )
         runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
         if runs or 0 in req.lengths:
-            item.sink = ByteSink(target, dtype, req.lengths)
+            on_device = uploads is not None and uploads.takes(target)
+            item.sink = ByteSink(target, dtype, req.lengths, on_device=on_device)
+            if item.sink.device is not None and uploads is not None:
+                uploads.prepare(pool, target.device)
             item.runs = runs
         else:  # too fragmented: read the chunk whole and narrow it in memory
             item.sink = ByteSink(target, dtype, sizes, (req.storage_offsets, req.lengths))
@@ -132,7 +139,9 @@ def _finish(item: _Item, planner: LoadPlanner) -> None:
         planner.commit_tensor(item.req, item.sink.commit())
 
 
-def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview) -> int:
+def fill_from_bytes(
+    req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview, uploads: DeviceLoads, pool: BufferPool
+) -> int:
     """Complete ``req`` from ``data``, the whole stored item (another rank read it), checking its CRC-32C first
     where the catalogue has one.
 
@@ -145,32 +154,52 @@ def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data:
     crc = _cio.crc32c(data) if catalog.checksums else loc.crc32c
     if crc != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
-    _prepare(item, planner, catalog, verify=False)
-    if item.total:
-        memory = _sink_memory(item)
-        at = 0
-        for start, length in item.runs:
-            memory[at : at + length] = data[start : start + length]
-            at += length
+    _prepare(item, planner, catalog, False, uploads, pool)
+    at = 0
+    for start, length in item.runs:
+        region = data[start : start + length]
+        device = _sink_device(item)
+        if device is not None:  # received memory is pageable: a synchronous copy
+            device[at : at + length].copy_(torch.frombuffer(region, dtype=torch.uint8))
+        else:
+            _sink_memory(item)[at : at + length] = region
+        at += length
     _finish(item, planner)
     return item.total
 
 
 def _sink_memory(item: _Item) -> memoryview:
+    """The host memory the item's bytes go into (not for device sinks: ``_sink_device``)."""
     sink = item.sink
-    return sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
+    memory = sink if isinstance(sink, memoryview) else sink.memory  # type: ignore[union-attr]
+    assert memory is not None
+    return memory
 
 
-def _pieces(items: list[_Item], planner: LoadPlanner, catalog: Catalog, verify: bool) -> Iterator[Piece]:
+def _sink_device(item: _Item) -> torch.Tensor | None:
+    """The item's bytes on a device, written by host-to-device copies; None for host sinks."""
+    return item.sink.device if isinstance(item.sink, ByteSink) else None
+
+
+def _pieces(
+    items: list[_Item],
+    planner: LoadPlanner,
+    catalog: Catalog,
+    verify: bool,
+    uploads: DeviceLoads | None,
+    pool: BufferPool,
+    in_place: bool,
+) -> Iterator[Piece]:
+    """The items' runs, in order; ``in_place``: runs may be read straight into host targets' memory."""
     for item in items:
-        _prepare(item, planner, catalog, verify)
+        _prepare(item, planner, catalog, verify, uploads, pool)
         if not item.total:
             _finish(item, planner)
             continue
-        memory = _sink_memory(item)
+        memory = _sink_memory(item) if in_place and _sink_device(item) is None else None
         at = 0
         for start, length in item.runs:
-            yield Piece(item.location.offset + start, length, item, at, memory[at : at + length])
+            yield Piece(item.location.offset + start, length, item, at, memory[at : at + length] if memory else None)
             at += length
 
 
@@ -226,8 +255,9 @@ def read_items(
     pool: BufferPool,
     config: IOConfig,
     verify: bool,
+    uploads: DeviceLoads | None = None,
 ) -> ReadCounts:
-    """Read every request into its planner-resolved destination.
+    """Read every request into its planner-resolved destination (device targets through ``uploads``).
 
     Neighbouring items of a file are read with one request where the holes
     between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
@@ -248,10 +278,25 @@ def read_items(
             _advance(item, extent.length)
             return
         assert buffer is not None
-        for owner, owner_offset, buf_offset, length in extent.parts:
-            dst = _sink_memory(owner)[owner_offset : owner_offset + length]
-            owner.crc = _cio.copy_crc32c(dst, buffer[buf_offset : buf_offset + length], owner.crc)
-            _advance(owner, length)
+        on_device = []
+        for part in extent.parts:
+            owner, region = part.owner, buffer[part.buf_offset : part.buf_offset + part.length]
+            device = _sink_device(owner)
+            if device is None:
+                dst = _sink_memory(owner)[part.owner_offset : part.owner_offset + part.length]
+                owner.crc = _cio.copy_crc32c(dst, region, owner.crc)
+                _advance(owner, part.length)
+                continue
+            assert uploads is not None
+            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length])
+            if owner.verify:  # on the host, while the copy crosses the bus
+                owner.crc = _cio.crc32c(region, owner.crc)
+            on_device.append(part)
+        if on_device:
+            assert uploads is not None
+            uploads.settle()  # the buffer returns to the pool after this: no copy may still read it
+            for part in on_device:
+                _advance(part.owner, part.length)
 
     def _advance(item: _Item, n: int) -> None:
         item.done += n
@@ -267,9 +312,8 @@ def read_items(
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            extents = plan_extents(
-                _pieces(items, planner, catalog, verify), f.align, pool.size, config.direct_min, _MAX_WASTE
-            )
+            pieces = _pieces(items, planner, catalog, verify, uploads, pool, in_place(config.direct_reads, f, pool))
+            extents = plan_extents(pieces, f.align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
             buffer: memoryview | None

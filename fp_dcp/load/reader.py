@@ -21,6 +21,7 @@ from ..checkpoint import open_checkpoint, read_metadata_bytes
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
+from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
 from ..net.group import Group, node_name
@@ -136,6 +137,7 @@ class FastPersistReader(StorageReader):
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._stock_metadata = Metadata({})
         self._io = IOResources(self.config)
+        self._uploads = DeviceLoads()  # GPU targets: page-locked staging, side streams
         self.share = share
         self.process_group = process_group
         self._transport: Transport | None = None  # for this load's shared items, when there are several ranks
@@ -246,15 +248,20 @@ class FastPersistReader(StorageReader):
         """Read the plan's items, shared ones through the exchange; returns the storage reads and bytes received."""
         exchange = plan.storage_data if isinstance(plan.storage_data, Exchange) else None
         if exchange is None or self._transport is None:
-            return read_items(plan.items, planner, catalog, engine, pool, self.config, self.verify_checksums), 0
+            counts = read_items(
+                plan.items, planner, catalog, engine, pool, self.config, self.verify_checksums, self._uploads
+            )
+            return counts, 0
         shared: list[ReadItem] = []
         own: list[ReadItem] = []
         for req in plan.items:
             loc = catalog.location(req)
             (shared if (loc.file, loc.offset) in exchange.readers else own).append(req)
         # the exchange first: a failure in this rank's own reads must not leave the others waiting in it
-        peers, received = read_shared(shared, exchange, planner, catalog, engine, pool, self.config, self._transport)
-        counts = read_items(own, planner, catalog, engine, pool, self.config, self.verify_checksums)
+        peers, received = read_shared(
+            shared, exchange, planner, catalog, engine, pool, self.config, self._transport, self._uploads
+        )
+        counts = read_items(own, planner, catalog, engine, pool, self.config, self.verify_checksums, self._uploads)
         total = ReadCounts(counts.read + peers.read, counts.needed + peers.needed, counts.requests + peers.requests)
         return total, received
 

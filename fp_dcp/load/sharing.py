@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, describe_item
+from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
 from ..io.engine import Engine
 from ..net.transport import MemorySink, MemorySource, Transfer, Transport
@@ -164,6 +165,7 @@ def read_shared(
     pool: BufferPool,
     config: IOConfig,
     transport: Transport,
+    uploads: DeviceLoads,
 ) -> tuple[ReadCounts, int]:
     """This rank's part of the exchange: read what it reads, send and receive, fill its own requests.
 
@@ -193,7 +195,7 @@ def read_shared(
                         raise CorruptCheckpointError(
                             f"{describe_item(*index_of[key])}: not read (see the errors above)"
                         )
-                    needed += fill_from_bytes(req, planner, catalog, data[key])
+                    needed += fill_from_bytes(req, planner, catalog, data[key], uploads, pool)
                 except CorruptCheckpointError as e:
                     errors.append(f"{e} (read by rank {exchange.readers[key]})")
     if errors:

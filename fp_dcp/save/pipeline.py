@@ -36,7 +36,7 @@ from ..format import ItemLocation, layout, stored_nbytes
 from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
 from ..io.dealing import deal
-from ..io.device import scatter_caps_requests
+from ..io.device import in_place
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, open_file, preallocate
@@ -161,23 +161,23 @@ def write_files(
             f = open_file(path, create=True, direct=config.direct_io)
             files.append(f)
             preallocate(f, size)
-            from_memory = _from_memory(config, f, pool)
+            from_memory = in_place(config.direct_writes, f, pool)
             pieces = [
                 Piece(it.offset, it.source.nbytes, it, 0, it.source.memory if from_memory else None) for it in items
             ]
             streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
-        in_place = False  # whether a transfer reads tensor memory until it completes
+        reads_tensors = False  # whether a transfer reads tensor memory until it completes
         for f, extent in interleave(streams):
             controls.check()
             if extent.direct:
                 it = extent.direct.owner
                 it.crc = _cio.crc32c(extent.direct.memory, it.crc, it.hasher)
                 buffer, data = None, extent.direct.memory
-                in_place = True
+                reads_tensors = True
             else:
                 buffer = data = _fill(window.stage(extent.length), extent, copier)
             window.push(engine.write(f, data, extent.file_offset), extent, buffer)
-        if not in_place:
+        if not reads_tensors:
             controls.released()
         window.finish()
         controls.released()
@@ -205,16 +205,6 @@ def write_files(
         location = location._replace(xxh3_sample=it.sample or location.xxh3_sample)  # the same bytes: the same sample
         results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), True)))
     return results, written
-
-
-def _from_memory(config: IOConfig, f: DataFile, pool: BufferPool) -> bool:
-    """Whether ``f`` is written straight from tensor memory where it can be (``IOConfig.direct_writes``)."""
-    if not f.direct:
-        return True  # the page cache copies the bytes anyway
-    if config.direct_writes is not None:
-        return config.direct_writes
-    # Copying pays only where huge pages make requests larger than the tensor's memory allows.
-    return not (pool.huge and scatter_caps_requests(os.path.dirname(f.path)))
 
 
 def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryview:

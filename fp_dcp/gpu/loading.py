@@ -1,0 +1,71 @@
+"""Loads into GPU tensors: reads land in page-locked staging buffers and cross to the device on side streams.
+
+The read pipeline reads the bytes of device targets into the reader's pool
+buffers (page-locked once, ``memory.page_lock``), and hands each buffer's
+parts to ``DeviceLoads.copy``: the host-to-device copies are queued on the
+device's side stream while the next reads are in flight, the host checksums
+the buffer meanwhile, and ``settle`` waits for the copies before the buffer
+goes back to the pool (at 55 GB/s a buffer crosses long before the disk
+fills the next). No pageable intermediate and no host copy of the state:
+host memory is the reader's pool.
+
+Stream semantics: before its first copy after a ``settle``, a side stream
+waits for an event on the caller's current stream, so whatever the caller
+queued on the targets (the planner may have just allocated or zeroed them)
+runs first. Copies are complete when their item is committed: the caller's
+stream, and anything else, sees the data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..io.buffers import BufferPool
+from .memory import SideStream, page_lock
+
+__all__ = ["DeviceLoads"]
+
+
+class DeviceLoads:
+    """A reader's host-to-device path: side streams, and its pool page-locked once a load has a device target.
+
+    ``takes`` decides which targets go through it (CUDA ones) and
+    ``page_locks`` for which devices the pool is page-locked; tests override
+    both to run the same code on CPU targets (``tests/cuda_double.py``).
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, SideStream] = {}
+        self._pending: set[SideStream] = set()  # side streams with copies queued since the last settle
+        self.pinned: bool | None = None  # whether the pool of the last load with device targets is page-locked
+
+    def takes(self, target: torch.Tensor) -> bool:
+        """Whether ``target``'s bytes are copied in from page-locked buffers (a GPU tensor in C order)."""
+        return target.device.type == "cuda"
+
+    def page_locks(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def prepare(self, pool: BufferPool, device: torch.device) -> None:
+        """Before the first copy to ``device`` out of ``pool``'s buffers: page-lock them (once per pool)."""
+        if self.page_locks(device):
+            self.pinned = page_lock(pool)
+
+    def copy(self, region: memoryview, target: torch.Tensor) -> None:
+        """Queue the copy of ``region`` (staging memory) into ``target`` (its bytes, flat, on a device)."""
+        side = self._streams.get(target.device)
+        if side is None:
+            side = self._streams[target.device] = SideStream(target.device, 0, False)
+        if side not in self._pending:
+            side.wait_for(side.caller_event())
+            self._pending.add(side)
+        with side.context():
+            target.copy_(torch.frombuffer(region, dtype=torch.uint8), non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait for every copy queued so far: the staging memory they read may be reused."""
+        for side in self._pending:
+            event = side.record()
+            if event is not None:
+                event.synchronize()
+        self._pending.clear()

@@ -1,0 +1,132 @@
+"""Loads into GPU tensors: reads land in page-locked staging buffers and cross on side streams, nothing else.
+
+They run everywhere: on CPU targets routed through the device path (``CpuTargetsAsDevice``,
+page-locking through the CUDA runtime double), and on CUDA where there is a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import SMALL, failure, same_bytes, save
+from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble
+from dist_util import run_ranks
+
+import fp_dcp.io.buffers
+import fp_dcp.load.reader
+from fp_dcp import IOConfig
+from fp_dcp.errors import CorruptCheckpointError
+from fp_dcp.gpu import cudart
+from fp_dcp.gpu.loading import DeviceLoads
+
+pytestmark = pytest.mark.gpu
+
+
+def host_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(1500, 1100, generator=g).to(torch.bfloat16),  # several staging buffers
+        "fp32": torch.randn(70_001, generator=g),
+        "int8": torch.randint(-128, 127, (3, 5000), dtype=torch.int8, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+    state.update({f"small.{i}": torch.full((i % 9 + 1,), float(i)) for i in range(200)})
+    return state
+
+
+def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, monkeypatch):
+    state = host_state()
+    state["transposed"] = state["big"]
+    save(state, tmp_path / "ck")
+    copies = []
+    original = DeviceLoads.copy
+
+    def counting(self, region, target):
+        copies.append(len(region))
+        return original(self, region, target)
+
+    monkeypatch.setattr(DeviceLoads, "copy", counting)
+    target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+    target["transposed"] = torch.zeros(1100, 1500, dtype=torch.bfloat16, device=gpu.device).t()  # the host path
+    reader = gpu.reader(tmp_path / "ck", config=SMALL)
+    dcp.load(target, storage_reader=reader)
+    assert all(same_bytes(target[k].cpu(), v) for k, v in state.items())
+    contiguous = sum(v.nbytes for k, v in state.items() if k != "transposed")
+    assert sum(copies) == contiguous  # every contiguous target's bytes crossed as copies...
+    assert max(copies) <= SMALL.buffer_size  # ...out of staging buffers, no whole-item intermediate
+    pool = reader._io.get()[1]
+    assert all(gpu.page_locked(view) for view in pool.views)
+
+
+def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
+    state = host_state()
+    save(state, tmp_path / "ck", config=IOConfig(direct_io=False))
+    (name,) = [n for n in os.listdir(tmp_path / "ck") if n.endswith(".distcp")]
+    with open(tmp_path / "ck" / name, "r+b") as f:
+        f.seek(os.path.getsize(tmp_path / "ck" / name) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=gpu.reader(tmp_path / "ck", config=SMALL))
+    assert isinstance(failure(info), CorruptCheckpointError) and "checksum mismatch" in str(failure(info))
+
+
+def test_gpu_load_host_memory_is_bounded_by_the_pool(tmp_path, gpu):
+    from fp_dcp.tools.bench import PeakRSS
+
+    n = 64 << 20 if gpu.device.type == "cuda" else 16 << 20  # 1 GiB on a GPU, 256 MiB on the CPU route
+    state = {f"w{i}": torch.randn(n) for i in range(4)}
+    save(state, tmp_path / "ck")
+    target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+    del state
+    reader = gpu.reader(tmp_path / "ck", config=IOConfig(buffer_size=16 << 20, num_buffers=4))
+    dcp.load({"w0": target["w0"]}, storage_reader=reader)  # the pool exists now
+    rss = PeakRSS()
+    with rss.watch():
+        dcp.load(target, storage_reader=reader)
+    assert rss.peak - rss.start < n, (rss.peak - rss.start) >> 20  # a quarter of the state
+    assert all(torch.isfinite(t.float()).all() for t in target.values())
+
+
+def test_gpu_load_waits_for_what_the_caller_queued_on_the_targets(tmp_path, gpu):
+    """A target zeroed on the caller's stream right before the load still ends up holding the checkpoint."""
+    x = torch.full((4 << 20,), 7.0)
+    save({"x": x}, tmp_path / "ck")
+    target = torch.empty(4 << 20, device=gpu.device)
+    on_cuda = gpu.device.type == "cuda"
+    producer = torch.cuda.Stream() if on_cuda else None
+    with torch.cuda.stream(producer) if producer is not None else contextlib.nullcontext():
+        if on_cuda:
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the fill
+        target.zero_()
+        dcp.load({"x": target}, storage_reader=gpu.reader(tmp_path / "ck", config=SMALL))
+        assert torch.equal(target.cpu(), x)
+
+
+def _load_shared_into_device(rank: int, world: int, path: str) -> bool:
+    os.environ["FP_DCP_NODE"] = f"node{rank % 2}"
+    double = CudaRuntimeDouble()
+    fp_dcp.io.buffers._allocate = double.tracking(fp_dcp.io.buffers._allocate)
+    fp_dcp.load.reader.DeviceLoads = CpuTargetsAsDevice
+    g = torch.Generator().manual_seed(9)
+    expected = {f"w{i}": torch.randn(300, 301, generator=g) for i in range(4)}
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    with cudart.use(double):
+        reader = fp_dcp.FastPersistReader(path, share=True, config=SMALL)
+        dcp.load(target, storage_reader=reader)
+        exact = all(torch.equal(target[k], v) for k, v in expected.items())
+        reader.close()
+    return exact and reader.last_load.received_bytes > 0 and double.problems() == []
+
+
+def test_gpu_load_of_shared_items_fills_device_targets(tmp_path):
+    g = torch.Generator().manual_seed(9)
+    save({f"w{i}": torch.randn(300, 301, generator=g) for i in range(4)}, tmp_path / "ck")
+    assert run_ranks(2, _load_shared_into_device, str(tmp_path / "ck"), timeout=120) == [True, True]
