@@ -262,6 +262,7 @@ def read_items(
     issued = 0
     progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
+    ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
     try:
         streams = []
         for name, items in by_file.items():
@@ -277,7 +278,7 @@ def read_items(
                 buffer, into = None, extent.direct.memory
             else:
                 buffer = into = window.stage(extent.length)
-            window.push(engine.read(f, into, extent.file_offset), extent, buffer)
+            window.push(engine.read(f, into, extent.file_offset, ends[f.path]), extent, buffer)
             read += extent.length
             issued += -(-extent.length // config.block_size)  # the engine splits at block_size
         window.finish()
