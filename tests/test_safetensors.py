@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 import fp_dcp
 from fp_dcp import FastPersistReader
 from fp_dcp.safetensors_format import DTYPES
+from fp_dcp.tools.convert import convert
 
 
 def load_plain(path, like: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], FastPersistReader]:
@@ -149,3 +150,12 @@ def test_every_rank_loading_the_whole_model_reads_it_from_storage_once(tmp_path)
     data = sum(v.nbytes for v in state.values())
     assert data <= sum(r["read"] for r in results) <= 1.1 * data, results
     assert sum(r["received"] for r in results) >= 3 * data, results
+
+
+def test_fp_dcp_convert_takes_a_hugging_face_directory(tmp_path):
+    write_model(tmp_path / "hf", llama_state(layers=1, hidden=64, inter=128, vocab=256), 3)
+    want = load_reference(tmp_path / "hf")
+    summary = convert(tmp_path / "hf", tmp_path / "fp", to="fp")
+    assert summary.source_format == "safetensors" and summary.tensors == len(want)
+    got, _ = load_plain(tmp_path / "fp", want)
+    assert all(same_bytes(got[k], want[k]) for k in want)

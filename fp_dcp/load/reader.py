@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _cio
-from ..checkpoint import open_checkpoint, read_metadata_bytes
+from ..checkpoint import is_safetensors_directory, open_checkpoint, read_metadata_bytes
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
@@ -27,7 +27,7 @@ from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .catalog import Catalog, FastPersistCatalog
 from .pipeline import ReadCounts, read_items
-from .safetensors import is_safetensors_directory, open_safetensors
+from .safetensors import open_safetensors
 from .sharing import Exchange, plan_exchange, read_shared
 
 __all__ = ["FastPersistReader", "LoadSummary"]

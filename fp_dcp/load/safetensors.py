@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError, NotACheckpointError
-from ..format import METADATA_NAME, ItemLocation
+from ..format import ItemLocation
 from ..safetensors_format import (
     INDEX_NAME,
     LENGTH_BYTES,
@@ -55,21 +55,13 @@ from ..safetensors_format import (
 )
 from .catalog import Catalog, ChunkKey
 
-__all__ = ["SafetensorsCatalog", "is_safetensors_directory", "open_safetensors"]
+__all__ = ["SafetensorsCatalog", "open_safetensors"]
 
 
 class SafetensorsCatalog(Catalog):
     """Where each tensor of a safetensors checkpoint is; safetensors stores no checksums."""
 
     checksums = False
-
-
-def is_safetensors_directory(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory of safetensors files (with or without an index) and no DCP checkpoint."""
-    directory = os.fspath(path)
-    if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, METADATA_NAME)):
-        return False
-    return any(name.endswith(SUFFIX) or name == INDEX_NAME for name in os.listdir(directory))
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> tuple[Metadata, SafetensorsCatalog]:
