@@ -4,41 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from safetensors_bench import llama_shapes, module_with
+
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
 
 INDEX = "model.safetensors.index.json"
 
 
-def llama_shapes(layers: int = 2, hidden: int = 256, inter: int = 768, vocab: int = 2048) -> dict[str, tuple]:
-    """Tensor names and shapes of a Llama model as Hugging Face names them (8 heads, 4 key-value heads)."""
-    kv = hidden // 2
-    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
-    return shapes
-
-
-def llama_state(seed: int = 0, dtype: torch.dtype = torch.bfloat16, **sizes: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g).to(dtype) for name, shape in llama_shapes(**sizes).items()}
+def llama_state(layers: int = 2, hidden: int = 256, inter: int = 768, vocab: int = 2048) -> dict[str, torch.Tensor]:
+    """A Llama model's weights (bf16) under Hugging Face's names, about 5 MB by default."""
+    g = torch.Generator().manual_seed(0)
+    shapes = llama_shapes(layers, hidden, inter, vocab)
+    return {name: torch.randn(shape, generator=g).bfloat16() for name, shape in shapes.items()}
 
 
 def write_model(directory: str | os.PathLike[str], state: dict[str, torch.Tensor], files: int = 1) -> list[str]:
@@ -73,18 +59,9 @@ def load_reference(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]
     return out
 
 
-def module_for(state: dict[str, Any]) -> nn.Module:
+def module_for(state: dict[str, torch.Tensor]) -> nn.Module:
     """A module whose parameters have the names and shapes of ``state`` (zeros), to load into."""
-    root = nn.Module()
-    for name, value in state.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, nn.Parameter(torch.zeros_like(value), requires_grad=value.is_floating_point()))
-    return root
+    return module_with({name: torch.zeros_like(value) for name, value in state.items()})
 
 
 def raw_file(path: str | os.PathLike[str], header: Any, data: bytes, length: int | None = None) -> None:
