@@ -23,7 +23,7 @@ from fp_dcp.tools.convert import convert
 
 def load_plain(path, like: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], FastPersistReader]:
     state = {k: torch.zeros_like(v) for k, v in like.items()}
-    reader = FastPersistReader(path)
+    reader = FastPersistReader(path, thread_count=4)  # HuggingFaceStorageReader's arguments are accepted
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state, reader
 

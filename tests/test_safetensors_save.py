@@ -50,6 +50,16 @@ def test_one_file_loads_with_the_safetensors_package_and_both_readers(tmp_path, 
         assert (8 + int.from_bytes(f.read(8), "little")) % PAGE == 0  # the data starts on a page
 
 
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="torch before 2.7 has no float8_e8m0fnu")
+def test_a_dtype_the_safetensors_package_cannot_write_round_trips_through_fp_dcp(tmp_path):
+    scales = torch.randint(0, 256, (4, 8), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    dcp.save({"scales": scales}, storage_writer=SafetensorsWriter(tmp_path), no_dist=True)
+    with open(tmp_path / "model-00001-of-00001.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["scales"]["dtype"] == "F8_E8M0"  # the name the safetensors format gives it
+    assert all_same(loaded_by(FastPersistReader(tmp_path), {"scales": scales}), {"scales": scales})
+
+
 def test_fqn_to_index_mapping_writes_the_files_and_the_index_hugging_face_does(tmp_path):
     state = small_state()
     mapping = {name: 1 + position % 3 for position, name in enumerate(state)}
