@@ -2,8 +2,8 @@
 
 Per file, items are visited in storage order. For each, only the byte runs
 its requested region occupies are read: a whole item is one run (and its
-checksum is verified, where the catalogue has one), a slice along the first dimensions is one shorter run,
-other boxes are one run per contiguous row segment; holes between runs are
+checksum is verified, where the catalogue has one), a slice along the first
+dimensions is one shorter run, other boxes are one run per contiguous row segment; holes between runs are
 read through rather than split while that adds at most 5% to the bytes read. Runs go
 straight into the target tensor where its memory and the file offset are
 co-aligned, else through staging buffers, several extents in flight. Targets
@@ -142,8 +142,7 @@ def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data:
     item = _Item(req, loc)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"{item.describe()}: received {len(data)} bytes from a peer")
-    crc = _cio.crc32c(data) if catalog.checksums else loc.crc32c
-    if crc != loc.crc32c:
+    if catalog.checksums and (crc := _cio.crc32c(data)) != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
     _prepare(item, planner, catalog, verify=False)
     if item.total:
