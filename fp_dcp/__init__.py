@@ -24,6 +24,7 @@ from .io.info import engine_info
 from .load.reader import FastPersistReader, LoadSummary
 from .load.verify import VerifyReport, verify_checkpoint
 from .save.planner import FastPersistSavePlanner
+from .save.safetensors import SafetensorsWriter
 from .save.writer import FastPersistWriter, SaveSummary
 from .training.manager import CheckpointManager, StepInfo, list_steps
 from .training.overlap import OverlappedCheckpointer
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FastPersistWriter",
     "FastPersistReader",
+    "SafetensorsWriter",
     "IOConfig",
     "FastPersistSavePlanner",
     "SaveSummary",

@@ -67,8 +67,17 @@ from .format import (
     footer_span,
     is_fp_metadata,
 )
+from .safetensors_format import INDEX_NAME, SUFFIX
 
-__all__ = ["Kind", "Checkpoint", "open_checkpoint", "read_metadata_bytes", "published_files", "referenced_files"]
+__all__ = [
+    "Kind",
+    "Checkpoint",
+    "open_checkpoint",
+    "read_metadata_bytes",
+    "published_files",
+    "referenced_files",
+    "is_safetensors_directory",
+]
 
 Kind = Literal["fp", "dcp"]
 
@@ -283,6 +292,17 @@ def _given(directory: str, given: list[str], index: int, subdir: str, name: str,
     if not os.path.isdir(given[index]):
         raise CorruptCheckpointError(f"data directory {given[index]} (data_dirs[{index}]) is missing; it holds {name}")
     return os.path.join(given[index], subdir, name)
+
+
+def is_safetensors_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory of Hugging Face safetensors files (index or not) and no DCP checkpoint.
+
+    ``fp_dcp.load.safetensors`` opens one.
+    """
+    directory = os.fspath(path)
+    if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, METADATA_NAME)):
+        return False
+    return any(name.endswith(SUFFIX) or name == INDEX_NAME for name in os.listdir(directory))
 
 
 def published_files(directory: str) -> set[str]:

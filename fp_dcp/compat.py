@@ -13,6 +13,11 @@ Private names (torch offers no public equivalent):
   and ``load_state_dict_no_dist`` (``state_dict_loader._load_state_dict``):
   loading a whole checkpoint without a target state dict, as torch's own
   ``format_utils.dcp_to_torch_save`` does.
+- ``consolidate_safetensors_files``
+  (``torch.distributed.checkpoint._consolidate_hf_safetensors``): merging the
+  per-rank safetensors files of a ``save_distributed`` save into whole
+  tensors, as ``HuggingFaceStorageWriter(enable_consolidation=True)`` does;
+  ``fp_dcp.save.safetensors`` runs it for the same option.
 - ``dtensor_with_local``: a DTensor rebuilt around a host copy of its local
   shard through ``DTensor(local, spec)``, as torch's state-dict utilities do
   (``DTensor.from_local`` would move the shard back to the mesh's device).
@@ -58,6 +63,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import _storage_utils
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -72,6 +78,7 @@ __all__ = [
     "flatten_state_dict",
     "EmptyStateDictLoadPlanner",
     "load_state_dict_no_dist",
+    "consolidate_safetensors_files",
     "dtensor_with_local",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",

@@ -45,10 +45,10 @@ def record_writes(monkeypatch, kind: str, writes: bool = True) -> list[Request]:
     queue = cls._queue
     requests: list[Request] = []
 
-    def recording(self, ticket, is_write, file, view, offset):
+    def recording(self, ticket, is_write, file, view, offset, end):
         if is_write == writes and file.direct:
             requests.append(Request(offset, len(view), _cio.address(view)))
-        return queue(self, ticket, is_write, file, view, offset)
+        return queue(self, ticket, is_write, file, view, offset, end)
 
     monkeypatch.setattr(cls, "_queue", recording)
     return requests
@@ -190,6 +190,29 @@ def test_engine_transfers_and_errors(tmp_path, kind, direct):
     g.close()
     with pytest.raises(FileExistsError):
         files.open_file(str(tmp_path / "f"), create=True, direct=direct)  # never clobbers
+    eng.close()
+    pool.close()
+
+
+@pytest.mark.parametrize("kind", ["io_uring", "threads"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_read_may_stop_where_the_caller_says_the_file_ends(tmp_path, kind, direct):
+    """Whole blocks are read (O_DIRECT): a file ending inside its last block ends the read there, if allowed."""
+    if kind == "io_uring" and not _cio.HAVE_IO_URING:
+        pytest.skip("built without liburing")
+    size = 3 * 4096 + 1000
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    eng = engine.create_engine(IOConfig(engine=kind, block_size=8192, queue_depth=2))
+    pool = BufferPool(1 << 16, 1)
+    into = pool.views[0][: 4 * 4096]
+    f = files.open_file(str(tmp_path / "f"), create=False, direct=direct)
+    eng.wait(eng.read(f, into, 0, end=size))
+    assert bytes(into[:size]) == data
+    for end in (None, size + 1):  # the file must hold every byte, or all up to a later end
+        with pytest.raises(engine.ShortReadError, match="file ends before"):
+            eng.wait(eng.read(f, into, 0, end=end))
+    f.close()
     eng.close()
     pool.close()
 

@@ -12,7 +12,11 @@ instead, for every such call in this process:
 - URLs (``s3://...``, anything with ``://``) are refused by fp-dcp's
   ``validate_checkpoint_id`` and still go to torch's fsspec storage.
 - The reader also loads stock DCP checkpoints (through torch's
-  ``FileSystemReader``), so checkpoints saved before ``install()`` still load.
+  ``FileSystemReader``), so checkpoints saved before ``install()`` still load,
+  and Hugging Face safetensors directories: ``dcp.load(sd,
+  checkpoint_id=hf_dir)``, which torch's reader refuses (no ``.metadata``),
+  then loads. Path-only saves stay fp-dcp checkpoints: a safetensors save
+  needs ``SafetensorsWriter``'s arguments.
 - ``uninstall()`` puts torch's classes back; ``with fp_dcp.installed(): ...``
   does both around a block.
 

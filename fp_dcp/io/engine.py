@@ -11,6 +11,9 @@ Two engines with one interface and the same on-disk result:
 
 Requests larger than ``block_size`` are split; a short transfer is resumed;
 a failure surfaces from ``wait`` as ``OSError`` carrying errno and the path.
+A read may be told where the file may end (``end``): O_DIRECT reads whole
+blocks, and a file whose size is not a multiple of them (safetensors) ends
+inside its last one.
 """
 
 from __future__ import annotations
@@ -79,12 +82,14 @@ class Engine(ABC):
         self._requests = 0
 
     def write(self, file: DataFile, data: memoryview, offset: int) -> Ticket:
-        return self._transfer(True, file, data, offset)
+        return self._transfer(True, file, data, offset, offset + len(data))
 
-    def read(self, file: DataFile, into: memoryview, offset: int) -> Ticket:
-        return self._transfer(False, file, into, offset)
+    def read(self, file: DataFile, into: memoryview, offset: int, end: int | None = None) -> Ticket:
+        """Fill ``into`` from ``offset``; a file ending at ``end`` or later (not before) stops it there,
+        the rest of ``into`` left as it was. Without ``end`` the file must hold every byte asked for."""
+        return self._transfer(False, file, into, offset, offset + len(into) if end is None else end)
 
-    def _transfer(self, is_write: bool, file: DataFile, view: memoryview, offset: int) -> Ticket:
+    def _transfer(self, is_write: bool, file: DataFile, view: memoryview, offset: int, end: int) -> Ticket:
         ticket = Ticket()
         step = self.block_size
         for start in range(0, len(view), step):
@@ -95,12 +100,14 @@ class Engine(ABC):
                     _io_error(errno_mod.EIO, "injected fault in request", len(block), offset + start, file.path)
                 )
                 continue
-            self._queue(ticket, is_write, file, block, offset + start)
+            self._queue(ticket, is_write, file, block, offset + start, end)
         self._kick()
         return ticket
 
     @abstractmethod
-    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None: ...
+    def _queue(
+        self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int, end: int
+    ) -> None: ...
 
     def _kick(self) -> None:  # noqa: B027 (optional hook: engines that queue in the kernel need none)
         """Hand queued requests to the kernel without waiting."""
@@ -128,14 +135,17 @@ class Engine(ABC):
 
 
 class _Request:
-    __slots__ = ("ticket", "is_write", "file", "view", "offset")
+    __slots__ = ("ticket", "is_write", "file", "view", "offset", "end")
 
-    def __init__(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview | None, offset: int) -> None:
+    def __init__(
+        self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview | None, offset: int, end: int = 0
+    ) -> None:
         self.ticket = ticket
         self.is_write = is_write
         self.file = file
         self.view = view
         self.offset = offset
+        self.end = end  # reads: where the file may end
 
 
 class UringEngine(Engine):
@@ -152,9 +162,9 @@ class UringEngine(Engine):
         except OSError as e:  # e.g. RLIMIT_MEMLOCK for unprivileged users: plain requests work too
             log_once(f"fp-dcp: io_uring buffer registration refused ({e.strerror}); continuing without")
 
-    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None:
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int, end: int) -> None:
         ticket.pending += 1
-        self.backlog.append(_Request(ticket, is_write, file, view, offset))
+        self.backlog.append(_Request(ticket, is_write, file, view, offset, end))
 
     def _kick(self) -> None:
         ring = self.ring
@@ -176,7 +186,8 @@ class UringEngine(Engine):
             if res < 0:
                 op = "fsync" if view is None else ("write" if req.is_write else "read")
                 ticket.fail(_io_error(-res, op, len(view) if view else 0, req.offset, req.file.path))
-            elif view is not None and res < len(view):
+            # a read that reached the end the caller allowed for is complete
+            elif view is not None and res < len(view) and (req.is_write or req.offset + res < req.end):
                 if res == 0:
                     ticket.fail(
                         _io_error(errno_mod.EIO, "write made no progress", len(view), req.offset, req.file.path)
@@ -233,9 +244,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         raise _io_error(e.errno or errno_mod.EIO, "write", len(view), start, path) from None
 
 
-def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+def _pread_all(fd: int, view: memoryview, offset: int, path: str, end: int) -> None:
     try:
-        while view:
+        while view and offset < end:
             n = os.preadv(fd, [view], offset)
             if n == 0:
                 raise _short_read(path, len(view), offset)
@@ -267,9 +278,11 @@ class ThreadEngine(Engine):
         self.outstanding.add(future)
         future.add_done_callback(self.outstanding.discard)
 
-    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int) -> None:
-        fn = _pwrite_all if is_write else _pread_all
-        self._track(ticket, self.pool.submit(fn, file.fd, view, offset, file.path))
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int, end: int) -> None:
+        if is_write:
+            self._track(ticket, self.pool.submit(_pwrite_all, file.fd, view, offset, file.path))
+        else:
+            self._track(ticket, self.pool.submit(_pread_all, file.fd, view, offset, file.path, end))
 
     def wait(self, ticket: Ticket) -> None:
         for future in ticket.futures:

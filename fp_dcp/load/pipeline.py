@@ -2,8 +2,8 @@
 
 Per file, items are visited in storage order. For each, only the byte runs
 its requested region occupies are read: a whole item is one run (and its
-checksum is verified, where the catalogue has one), a slice along the first dimensions is one shorter run,
-other boxes are one run per contiguous row segment; holes between runs are
+checksum is verified, where the catalogue has one), a slice along the first
+dimensions is one shorter run, other boxes are one run per contiguous row segment; holes between runs are
 read through rather than split while that adds at most 5% to the bytes read. Runs go
 straight into the target tensor where its memory and the file offset are
 co-aligned, else through staging buffers, several extents in flight. Targets
@@ -151,8 +151,7 @@ def fill_from_bytes(
     item = _Item(req, loc)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"{item.describe()}: received {len(data)} bytes from a peer")
-    crc = _cio.crc32c(data) if catalog.checksums else loc.crc32c
-    if crc != loc.crc32c:
+    if catalog.checksums and (crc := _cio.crc32c(data)) != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
     _prepare(item, planner, catalog, False, uploads, pool)
     at = 0
@@ -188,15 +187,15 @@ def _pieces(
     verify: bool,
     uploads: DeviceLoads | None,
     pool: BufferPool,
-    in_place: bool,
+    into_targets: bool,
 ) -> Iterator[Piece]:
-    """The items' runs, in order; ``in_place``: runs may be read straight into host targets' memory."""
+    """The items' runs, in order; ``into_targets``: runs may be read straight into host targets' memory."""
     for item in items:
         _prepare(item, planner, catalog, verify, uploads, pool)
         if not item.total:
             _finish(item, planner)
             continue
-        memory = _sink_memory(item) if in_place and _sink_device(item) is None else None
+        memory = _sink_memory(item) if into_targets and _sink_device(item) is None else None
         at = 0
         for start, length in item.runs:
             yield Piece(item.location.offset + start, length, item, at, memory[at : at + length] if memory else None)
@@ -307,6 +306,7 @@ def read_items(
     issued = 0
     progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
+    ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
     try:
         streams = []
         for name, items in by_file.items():
@@ -321,7 +321,7 @@ def read_items(
                 buffer, into = None, extent.direct.memory
             else:
                 buffer = into = window.stage(extent.length)
-            window.push(engine.read(f, into, extent.file_offset), extent, buffer)
+            window.push(engine.read(f, into, extent.file_offset, ends[f.path]), extent, buffer)
             read += extent.length
             issued += -(-extent.length // config.block_size)  # the engine splits at block_size
         window.finish()

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _cio
-from ..checkpoint import open_checkpoint, read_metadata_bytes
+from ..checkpoint import is_safetensors_directory, open_checkpoint, read_metadata_bytes
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
@@ -28,6 +28,7 @@ from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .catalog import Catalog, FastPersistCatalog
 from .pipeline import ReadCounts, read_items
+from .safetensors import open_safetensors
 from .sharing import Exchange, plan_exchange, read_shared
 
 __all__ = ["FastPersistReader", "LoadSummary"]
@@ -67,7 +68,7 @@ def _sharing_group(process_group: dist.ProcessGroup | None) -> Group:
 
 
 class FastPersistReader(StorageReader):
-    """Loads checkpoints written by ``FastPersistWriter``, and torch ``FileSystemWriter``'s too.
+    """Loads checkpoints written by ``FastPersistWriter``, torch ``FileSystemWriter``'s, and safetensors ones.
 
     Reads only the byte ranges each rank's load plan needs, straight into the
     target tensors where their memory allows, and verifies each item's
@@ -78,7 +79,12 @@ class FastPersistReader(StorageReader):
 
     A checkpoint written by torch's ``FileSystemWriter`` is recognised and read
     through torch's ``FileSystemReader``, so jobs can switch readers before
-    writers.
+    writers. A directory of Hugging Face ``*.safetensors`` files (with or
+    without ``model.safetensors.index.json``; a Hugging Face cache's
+    ``snapshots/<revision>/`` too) is read through its own catalogue
+    (``fp_dcp.load.safetensors``), the same way: ``FastPersistReader(path)``
+    replaces ``HuggingFaceStorageReader(path)``. safetensors stores no
+    checksums: its structure is checked, its bytes cannot be.
 
     Args:
         path: checkpoint directory. Optional: DCP's ``checkpoint_id``
@@ -110,6 +116,9 @@ class FastPersistReader(StorageReader):
         _extension_registry: as for torch's ``FileSystemReader`` (so code
             constructing one takes this class unchanged); used when the
             checkpoint is a stock DCP one written with stream extensions.
+        thread_count: as for torch's ``HuggingFaceStorageReader`` (so code
+            constructing one takes this class unchanged); it changes nothing:
+            the requests in flight come from ``config``.
     """
 
     def __init__(
@@ -122,6 +131,7 @@ class FastPersistReader(StorageReader):
         share: bool | Literal["auto"] = "auto",
         process_group: dist.ProcessGroup | None = None,
         _extension_registry: Any = None,
+        thread_count: int = 1,
     ) -> None:
         super().__init__()
         self._default_path = os.fspath(path) if path is not None else None
@@ -133,7 +143,7 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.last_load: LoadSummary | None = None
         self._catalog: Catalog | None = None
-        self._metadata_crc = 0  # of the .metadata this load read
+        self._metadata_crc: int | None = None  # of the .metadata this load read (None: a safetensors checkpoint)
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._stock_metadata = Metadata({})
         self._io = IOResources(self.config)
@@ -165,6 +175,11 @@ class FastPersistReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self._catalog = None
         self._stock = None
+        self._metadata_crc = None
+        if is_safetensors_directory(self.path):
+            metadata, self._catalog = open_safetensors(self.path)
+            metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+            return metadata
         checkpoint = open_checkpoint(self.path, self.data_dirs)
         self._metadata_crc = checkpoint.metadata_crc
         metadata = checkpoint.metadata
@@ -275,6 +290,8 @@ class FastPersistReader(StorageReader):
 
     def _replaced(self) -> bool:
         """Whether ``.metadata`` is no longer the one this load read (a save published meanwhile)."""
+        if self._metadata_crc is None:
+            return False  # safetensors: nothing is published atomically, so nothing tells
         try:
             return _cio.crc32c(read_metadata_bytes(self.path)[1]) != self._metadata_crc
         except NotACheckpointError:
@@ -282,7 +299,8 @@ class FastPersistReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_NAME))
+        directory = os.fspath(checkpoint_id)
+        return os.path.isfile(os.path.join(directory, METADATA_NAME)) or is_safetensors_directory(directory)
 
     @property
     def checkpoint_id(self) -> str | None:

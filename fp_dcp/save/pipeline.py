@@ -24,6 +24,7 @@ import contextlib
 import io
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
 from .incremental import Incremental, sample_digest
 
-__all__ = ["FileWritten", "write_files"]
+__all__ = ["FileWritten", "Placed", "Item", "resolve", "write_files", "write_laid_out"]
 
 _ZEROS = bytes(64 * 1024)
 
@@ -58,15 +59,26 @@ class FileWritten:
     direct: bool
 
 
-class _Item:
-    __slots__ = ("write_item", "source", "offset", "crc", "hasher", "sample")
+class Placed:
+    """Bytes to write at ``offset`` of a file, from ``source``; their CRC-32C is computed on the way."""
 
-    def __init__(self, write_item: WriteItem, source: ByteSource) -> None:
-        self.write_item = write_item
+    __slots__ = ("source", "offset", "crc", "hasher")
+
+    def __init__(self, source: ByteSource, offset: int = 0) -> None:
         self.source = source
-        self.offset = 0
+        self.offset = offset
         self.crc = 0
         self.hasher: _cio.Hash128 | None = None  # incremental saves: fed wherever crc is
+
+
+class Item(Placed):
+    """A planned item's bytes."""
+
+    __slots__ = ("write_item", "sample")
+
+    def __init__(self, write_item: WriteItem, source: ByteSource) -> None:
+        super().__init__(source)
+        self.write_item = write_item
         self.sample: str | None = None  # incremental saves: its sample's hash
 
     def location(self, name: str) -> ItemLocation:
@@ -74,13 +86,13 @@ class _Item:
         return ItemLocation(name, self.offset, self.source.nbytes, self.crc, digest, self.sample)
 
 
-def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int, copier: DeviceCopier) -> _Item:
+def resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int, copier: DeviceCopier) -> Item:
     fqn = write_item.index.fqn
     data = planner.resolve_data(write_item)
     if write_item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected io.BytesIO")
-        return _Item(write_item, ByteSource(data, slab_bytes))
+        return Item(write_item, ByteSource(data, slab_bytes))
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"planner resolved {fqn!r} to {type(data).__name__}, expected a tensor")
     check_storable(data, fqn)
@@ -88,14 +100,14 @@ def _resolve(write_item: WriteItem, planner: SavePlanner, slab_bytes: int, copie
     expected = stored_nbytes(write_item)
     if source.nbytes != expected:
         raise ValueError(f"{fqn!r}: the plan expects {expected} bytes but the tensor holds {source.nbytes}")
-    return _Item(write_item, source)
+    return Item(write_item, source)
 
 
-def _split(items: list[_Item], n: int) -> list[list[_Item]]:
+def _split(items: list[Item], n: int) -> list[list[Item]]:
     """Deal items into ``n`` groups of near-equal bytes (objects count as none), keeping plan order within each."""
     sizes = [stored_nbytes(it.write_item) or 0 for it in items]
     owners, _ = deal(sizes, [range(n)] * len(items), n)
-    groups: list[list[_Item]] = [[] for _ in range(n)]
+    groups: list[list[Item]] = [[] for _ in range(n)]
     for item, group in zip(items, owners, strict=True):
         groups[group].append(item)
     return groups
@@ -122,14 +134,9 @@ def write_files(
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
 
     Returns the items' results, whose ``storage_data`` is (an ``ItemLocation``
-    as a tuple, whether it is a reference into the incremental base). The
-    files' extents are interleaved, so files on different devices are
-    written at the same time. ``controls.released()`` is called once no
-    transfer reads tensor memory any more: after the last staged extent was
-    filled or, when extents were written straight from tensor memory, once
-    those writes completed.
+    as a tuple, whether it is a reference into the incremental base).
     """
-    resolved = [_resolve(wi, planner, pool.size, copier) for wi in write_items]
+    resolved = [resolve(wi, planner, pool.size, copier) for wi in write_items]
     copier.prepare(pool, [it.source for it in resolved])
     references: dict[int, ItemLocation] = {}
     if incremental is not None:
@@ -152,6 +159,41 @@ def write_files(
             it.offset = offset
         plans.append((path, items, size))
 
+    directs = write_laid_out(plans, engine, pool, config, controls, copier)
+
+    results = []
+    written = []
+    for (path, items, size), direct in zip(plans, directs, strict=True):
+        name = os.path.basename(path)
+        for it in items:
+            location = it.location(name)
+            results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), False)))
+        written.append(FileWritten(name, size, sum(it.source.nbytes for it in items), direct))
+    for position, location in references.items():
+        it = resolved[position]
+        location = location._replace(xxh3_sample=it.sample or location.xxh3_sample)  # the same bytes: the same sample
+        results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), True)))
+    return results, written
+
+
+def write_laid_out(
+    plans: Sequence[tuple[str, Sequence[Placed], int]],
+    engine: Engine,
+    pool: BufferPool,
+    config: IOConfig,
+    controls: SaveControls,
+    copier: DeviceCopier,
+) -> list[bool]:
+    """Create each file ``(path, items, size)``, write its items (in file order) at their offsets, make it
+    ``size`` bytes, durably.
+
+    The files' extents are interleaved, so files on different devices are
+    written at the same time; the bytes between items are zeros. On failure
+    every file is removed. ``controls.released()`` is called once no
+    transfer reads tensor memory any more: after the last staged extent was
+    filled or, when extents were written straight from tensor memory, once
+    those writes completed. Returns whether each file was written with O_DIRECT.
+    """
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
     window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
@@ -181,6 +223,9 @@ def write_files(
             controls.released()
         window.finish()
         controls.released()
+        for f, (_, _, size) in zip(files, plans, strict=True):
+            if os.fstat(f.fd).st_size != size:
+                os.ftruncate(f.fd, size)  # O_DIRECT wrote the last block whole, past a size that ends inside it
         engine.sync(files)
     except BaseException:
         window.abort()
@@ -191,20 +236,7 @@ def write_files(
         raise
     for f in files:
         f.close()
-
-    results = []
-    written = []
-    for (path, items, size), f in zip(plans, files, strict=True):
-        name = os.path.basename(path)
-        for it in items:
-            location = it.location(name)
-            results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), False)))
-        written.append(FileWritten(name, size, sum(it.source.nbytes for it in items), f.direct))
-    for position, location in references.items():
-        it = resolved[position]
-        location = location._replace(xxh3_sample=it.sample or location.xxh3_sample)  # the same bytes: the same sample
-        results.append(WriteResult(it.write_item.index, it.source.nbytes, (tuple(location), True)))
-    return results, written
+    return [f.direct for f in files]
 
 
 def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryview:

@@ -6,13 +6,15 @@
 Formats: ``fp`` (a ``FastPersistWriter`` checkpoint directory), ``dcp`` (a
 torch ``FileSystemWriter`` checkpoint directory), ``torch`` (one
 ``torch.save`` file) and ``safetensors`` (one file; needs the ``safetensors``
-package: ``pip install fp-dcp[safetensors]``). The source's format is
+package: ``pip install fp-dcp[safetensors]``). A source may also be a
+Hugging Face directory of safetensors files (``fp_dcp.load.safetensors``),
+read by ``FastPersistReader`` without the package. The source's format is
 recognised from its contents.
 
 How: DCP's own machinery wherever it exists.
 
 - torch.save file to stock DCP is ``torch.distributed.checkpoint.format_utils.torch_save_to_dcp``.
-- A checkpoint directory (either kind) is materialised as DCP's
+- A checkpoint directory (any kind) is materialised as DCP's
   ``format_utils.dcp_to_torch_save`` does it: ``_load_state_dict`` into an
   empty dict with ``_EmptyStateDictLoadPlanner``, which rebuilds the state
   dict, nesting and non-tensor values included, from the checkpoint's
@@ -63,7 +65,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from .. import FastPersistReader, FastPersistWriter, compat
-from ..checkpoint import open_checkpoint, published_files
+from ..checkpoint import is_safetensors_directory, open_checkpoint, published_files
 from ..errors import CheckpointExistsError, NotACheckpointError
 from ..format import METADATA_NAME
 from ..io.files import replace_durably
@@ -102,7 +104,7 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
     """The format of a checkpoint directory or file, from its contents (not its name)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        return open_checkpoint(path).kind
+        return "safetensors" if is_safetensors_directory(path) else open_checkpoint(path).kind
     if not os.path.isfile(path):
         raise NotACheckpointError(f"{path} does not exist")
     with open(path, "rb") as f:
@@ -154,7 +156,7 @@ def read_state_dict(
         if not isinstance(loaded, dict):
             raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
         return loaded
-    if kind == "safetensors":
+    if kind == "safetensors" and os.path.isfile(path):
         return dict(_safetensors().load_file(path))
     state: dict[str, Any] = {}
     planner = _CountingPlanner(f"convert, reading {path}", progress)

@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Loading a Hugging Face safetensors checkpoint: fp-dcp against torch's HuggingFaceStorageReader, the
+safetensors package and the disk's limit, on 1 rank and on 4 gloo ranks as 2 nodes (FSDP2).
+
+    sudo .venv/bin/python benchmarks/safetensors_bench.py [--gb 4] [--shards 4] [--rounds 2] [--dir DIR]
+
+The checkpoint: a Llama-shaped bf16 model (hidden 4096, intermediate 11008,
+vocabulary 32000, as many layers as make ``--gb`` GiB) written by the
+safetensors package in ``--shards`` files with ``model.safetensors.index.json``,
+as the Hugging Face hub serves it. Every load is cold: the files' pages are
+evicted (posix_fadvise DONTNEED, and drop_caches when root) before it.
+
+1 rank, into a state of bf16 tensors allocated and touched once:
+
+- fp-dcp: ``dcp.load(..., storage_reader=FastPersistReader(dir))``;
+- ``HuggingFaceStorageReader(dir, thread_count=1)`` and ``thread_count=4``;
+- the safetensors package: ``load_file`` per shard, copied into the state;
+  and ``safe_open`` with ``get_slice(name)[:]`` per tensor (its slicing API);
+- fio reading a file of the same size (``--rw=read --bs=8M --iodepth=32
+  --direct=1 --ioengine=io_uring``) from buffers in huge pages
+  (``--iomem=shmhuge``, for which the script reserves huge pages as root and
+  gives them back; without them, fio's plain buffers, and the report says so).
+
+4 ranks (``FP_DCP_NODE`` puts ranks 0-1 and 2-3 on two nodes), each with the
+model built on the meta device, sharded by ``fully_shard`` and materialized:
+fp-dcp against ``HuggingFaceStorageReader``, wall time (slowest rank) and the
+bytes the disk served during the load (``/proc/diskstats`` of the device
+holding the directory, from when every rank is ready to load; other I/O to
+that disk counts too), against the checkpoint's size: read once is 1.0x.
+The two "nodes" share this machine's page cache, which serves
+``HuggingFaceStorageReader``'s second reader of a page from memory; on two
+real nodes each would read it from the storage. fp-dcp reads with O_DIRECT,
+so its count is what each node would read from a shared filesystem.
+
+Reported: median GB/s of each method (of the checkpoint's tensor bytes),
+CPU-seconds per GB (this process and its children), ratios side by side.
+Methods alternate, ``--rounds`` times. The goals: 1 rank at least 0.9x fio
+and 2x ``HuggingFaceStorageReader``; 4 ranks reading each byte once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed.checkpoint as dcp
+from load_sharing_bench import device_of, sectors_read
+from ranks import spawn
+from torch import nn
+
+from fp_dcp import FastPersistReader
+from fp_dcp.tools.bench import FIO_DEPTH, cpu_seconds, evict
+
+GB = 1e9
+GiB = 1 << 30
+MiB = 1 << 20
+INDEX = "model.safetensors.index.json"
+
+
+def llama_shapes(layers: int, hidden: int, inter: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Hugging Face's Llama tensor names and shapes (the tests' models too)."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in _layer(hidden, inter).items()}
+    return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+
+
+def layers_for(gb: float, hidden: int, inter: int, vocab: int) -> int:
+    """How many layers make about ``gb`` GiB of bf16."""
+    per_layer = 2 * sum(torch.Size(s).numel() for s in _layer(hidden, inter).values())
+    return max(1, round((gb * GiB - 2 * (2 * vocab * hidden + hidden)) / per_layer))
+
+
+def _layer(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    kv = hidden // 4  # grouped-query attention: a quarter of the heads for keys and values
+    return {
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+
+
+def write_checkpoint(directory: str, shapes: dict[str, tuple[int, ...]], shards: int) -> int:
+    """The model as the hub serves it, one shard in memory at a time; returns its tensor bytes."""
+    from safetensors.torch import save_file
+
+    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
+    g = torch.Generator().manual_seed(0)
+    names = list(shapes)
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    done = 0
+    for name in names:  # consecutive tensors, about equal bytes per shard
+        groups[min(shards - 1, done * shards // total)].append(name)
+        done += 2 * torch.Size(shapes[name]).numel()
+    weight_map = {}
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: torch.randn(shapes[n], generator=g).bfloat16() for n in group}
+        save_file(part, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(group, file)
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return total
+
+
+def shard_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------- 1 rank
+
+
+def one_rank_methods(directory: str, target: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    def fp() -> None:
+        dcp.load(target, storage_reader=FastPersistReader(directory), no_dist=True)
+
+    def hf(threads: int) -> Callable[[], None]:
+        return lambda: dcp.load(target, storage_reader=HuggingFaceStorageReader(directory, threads), no_dist=True)
+
+    def whole_files() -> None:
+        for path in shard_files(directory):
+            for name, tensor in load_file(path).items():
+                target[name].copy_(tensor)
+
+    def slices() -> None:
+        for path in shard_files(directory):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    target[name].copy_(f.get_slice(name)[:])
+
+    return {
+        "fp-dcp": fp,
+        "HuggingFaceStorageReader t=1": hf(1),
+        "HuggingFaceStorageReader t=4": hf(4),
+        "safetensors load_file": whole_files,
+        "safetensors safe_open slices": slices,
+    }
+
+
+@contextlib.contextmanager
+def huge_pages(nbytes: int) -> Iterator[bool]:
+    """``nbytes`` of huge pages reserved for fio's buffers (root), given back afterwards; whether they are there."""
+    knob = "/proc/sys/vm/nr_hugepages"
+    try:
+        with open(knob) as f:
+            before = int(f.read())
+        with open(knob, "w") as f:
+            f.write(str(before + -(-nbytes // (2 * MiB)) + 8))
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) for line in f if line.startswith("HugePages_Free"))
+    except (OSError, StopIteration, ValueError):
+        yield False
+        return
+    try:
+        yield free * 2 * MiB >= nbytes
+    finally:
+        with open(knob, "w") as f:
+            f.write(str(before))
+
+
+def fio_read(path: str, size: int, huge: bool) -> Callable[[], None]:
+    args = ["fio", "--name=limit", f"--filename={path}", f"--size={size}", "--bs=8M", f"--iodepth={FIO_DEPTH}"]
+    args += ["--direct=1", "--ioengine=io_uring", "--output-format=terse"]
+    subprocess.run([*args, "--rw=write", "--end_fsync=1"], check=True, capture_output=True)  # the file, untimed
+    read = [*args, "--rw=read"] + (["--iomem=shmhuge"] if huge else [])
+
+    def run() -> None:
+        subprocess.run(read, check=True, capture_output=True)
+
+    return run
+
+
+def run_one_rank(directory: str, size: int, rounds: int, scratch: str) -> dict[str, list[tuple[float, float]]]:
+    target = {}
+    with open(os.path.join(directory, INDEX)) as f:
+        names = json.load(f)["weight_map"]
+    from safetensors import safe_open
+
+    for path in shard_files(directory):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                target[name] = torch.zeros(f.get_slice(name).get_shape(), dtype=torch.bfloat16)
+    assert set(target) == set(names)
+    methods = one_rank_methods(directory, target)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    fio_file = os.path.join(scratch, "fio-file")
+    with huge_pages(8 * MiB * FIO_DEPTH) as huge:
+        fio_name = f"fio read depth {FIO_DEPTH}, " + ("huge-page buffers" if huge else "plain buffers (no huge pages)")
+        if shutil.which("fio"):
+            methods[fio_name] = fio_read(fio_file, size, huge)
+            results[fio_name] = []
+        for r in range(rounds):
+            for name, load in methods.items():
+                checked = r == 0 and name == "fp-dcp"
+                if checked:
+                    for tensor in target.values():
+                        tensor.zero_()  # untimed: what the check then finds, fp-dcp wrote
+                evict(fio_file if name == fio_name else directory)
+                cpu0 = cpu_seconds() + cpu_seconds(-1)
+                start = time.perf_counter()
+                load()
+                seconds = time.perf_counter() - start
+                cpu = cpu_seconds() + cpu_seconds(-1) - cpu0
+                results[name].append((size / seconds / GB, cpu / (size / GB)))
+                print(f"round {r + 1} 1 rank {name}: {results[name][-1][0]:.3f} GB/s", flush=True)
+                if checked:
+                    check_one_rank(directory, target)
+    return results
+
+
+def check_one_rank(directory: str, target: dict[str, torch.Tensor]) -> None:
+    """What was loaded equals what the safetensors package reads (untimed)."""
+    from safetensors.torch import load_file
+
+    for path in shard_files(directory):
+        for name, tensor in load_file(path).items():
+            assert torch.equal(target[name], tensor), f"{name} differs"
+
+
+# ------------------------------------------------------------------------------------------------- 4 ranks
+
+
+def module_with(params: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose parameters are ``params``, under their dotted names (the tests load into these too)."""
+    root = nn.Module()
+    for name, value in params.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+    return root
+
+
+def load_fsdp2(rank: int, world: int, directory: str, shapes: dict, reader: str, check: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    os.environ["FP_DCP_NODE"] = f"node{rank // 2}"
+    with torch.device("meta"):
+        model = module_with({name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in shapes.items()})
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model.to_empty(device="cpu")
+    state = model.state_dict()
+    for v in state.values():
+        v.to_local().zero_()  # touched: the load measures the disk and the exchange, not page faults
+    storage = FastPersistReader(directory) if reader == "fp-dcp" else HuggingFaceStorageReader(directory)
+    device = device_of(directory)
+    dist.barrier()
+    before = disk_read(device)  # from here: every rank has started (imports read from the disk too)
+    start = time.perf_counter()
+    dcp.load(state, storage_reader=storage)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    after = disk_read(device)
+    ok = True
+    if check:
+        from safetensors import safe_open
+
+        with open(os.path.join(directory, INDEX)) as f:
+            weight_map = json.load(f)["weight_map"]
+        for name, value in state.items():
+            local = value.to_local()
+            rows = value.__create_chunk_list__()[0].offsets[0] if local.numel() else 0
+            with safe_open(os.path.join(directory, weight_map[name]), framework="pt") as f:
+                want = f.get_slice(name)[rows : rows + local.shape[0]]
+            ok = ok and torch.equal(local, want)
+    last = getattr(storage, "last_load", None)
+    disk = after - before if after is not None and before is not None else float("nan")
+    return {"seconds": seconds, "ok": ok, "read": last.read_bytes if last else 0, "disk": disk}
+
+
+def disk_read(device: str) -> int | None:
+    """Bytes read so far from the block device, None where /proc/diskstats does not list it (tmpfs, overlay)."""
+    try:
+        return sectors_read(device) * 512
+    except RuntimeError:
+        return None
+
+
+def run_four_ranks(directory: str, shapes: dict, size: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    results: dict[str, list[tuple[float, float]]] = {"fp-dcp": [], "HuggingFaceStorageReader": []}
+    for r in range(rounds):
+        for reader in results:
+            evict(directory)
+            ranks = spawn(4, load_fsdp2, directory, shapes, reader, r == 0)
+            disk = ranks[0]["disk"]  # the disk's count over the load, all ranks together
+            assert all(x["ok"] for x in ranks), (reader, ranks)
+            results[reader].append((max(x["seconds"] for x in ranks), disk))
+            print(
+                f"round {r + 1} 4 ranks {reader}: {results[reader][-1][0]:.2f} s, disk read {disk / size:.2f}x"
+                + (f" (fp-dcp's own count {sum(x['read'] for x in ranks) / size:.2f}x)" if reader == "fp-dcp" else ""),
+                flush=True,
+            )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=4.0, help="GiB of bf16 tensors")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=11008)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    work = tempfile.mkdtemp(prefix="fp-dcp-st-bench-", dir=args.dir)
+    try:
+        model = os.path.join(work, "model")
+        os.mkdir(model)
+        sizes = (args.hidden, args.intermediate, args.vocab)
+        shapes = llama_shapes(layers_for(args.gb, *sizes), *sizes)
+        size = write_checkpoint(model, shapes, args.shards)
+        print(f"{size / GB:.2f} GB of bf16 in {args.shards} shards, {len(shapes)} tensors; {args.rounds} rounds")
+        if os.geteuid() != 0:
+            print("not root: the page cache is evicted with posix_fadvise only (no drop_caches, no huge pages)")
+        one = run_one_rank(model, size, args.rounds, work)
+        four = run_four_ranks(model, shapes, size, args.rounds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\n1 rank, median of {args.rounds}:")
+    med = {name: statistics.median(g for g, _ in v) for name, v in one.items()}
+    for name, v in one.items():
+        print(f"  {name:<48} {med[name]:6.3f} GB/s  {statistics.median(c for _, c in v):5.2f} CPU-s/GB")
+    fio = next((m for n, m in med.items() if n.startswith("fio")), None)
+    print(
+        "  fp-dcp: "
+        + (f"{med['fp-dcp'] / fio:.2f}x fio, " if fio else "")
+        + f"{med['fp-dcp'] / med['HuggingFaceStorageReader t=1']:.2f}x HuggingFaceStorageReader t=1, "
+        + f"{med['fp-dcp'] / med['HuggingFaceStorageReader t=4']:.2f}x t=4"
+    )
+    print(f"4 ranks as 2 nodes, FSDP2, median of {args.rounds}:")
+    for reader, v in four.items():
+        seconds = statistics.median(s for s, _ in v)
+        disk = statistics.median(d for _, d in v)
+        print(f"  {reader:<48} {seconds:6.2f} s  disk read {disk / size:4.2f}x the checkpoint")
+    ratio = statistics.median(s for s, _ in four["fp-dcp"]) / statistics.median(
+        s for s, _ in four["HuggingFaceStorageReader"]
+    )
+    print(f"  wall time fp-dcp / HuggingFaceStorageReader: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
