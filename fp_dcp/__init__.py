@@ -25,7 +25,8 @@ from .load.reader import FastPersistReader, LoadSummary
 from .load.verify import VerifyReport, verify_checkpoint
 from .save.planner import FastPersistSavePlanner
 from .save.safetensors import SafetensorsWriter
-from .save.writer import FastPersistWriter, SaveSummary
+from .save.summary import SaveSummary
+from .save.writer import FastPersistWriter
 from .training.manager import CheckpointManager, StepInfo, list_steps
 from .training.overlap import OverlappedCheckpointer
 

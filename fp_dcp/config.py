@@ -60,6 +60,8 @@ class IOConfig:
         num_buffers: staging buffers per writer or reader; one is filled while
             the others are on their way to disk. Host memory used for staging
             is ``buffer_size * num_buffers``, whatever the state dict's size.
+            A writer that writes several files at once (``data_dirs`` x
+            ``lanes_per_dir``) uses at least two buffers per file.
         block_size: largest single request handed to the kernel. 32 MiB keeps a
             device busy with few requests (measured: 32 MiB x depth 8 beat
             8 MiB x depth 16 on NVMe-like virtual disks).

@@ -78,7 +78,8 @@ from .checkpoint_path import checkpoint_directory
 from .controls import SaveControls
 from .pipeline import Placed, resolve, write_laid_out
 from .resources import WriterResources
-from .writer import FastPersistWriter, SaveSummary
+from .summary import SaveSummary
+from .writer import FastPersistWriter
 
 __all__ = ["SafetensorsWriter"]
 

@@ -33,32 +33,12 @@ from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
 from .placement import Placement, data_directories
 from .resources import WriterResources, shared_resources
+from .summary import SaveSummary
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
 
 # The DCP metadata schema version this writer produces (torch's FileSystemWriter's).
 DCP_METADATA_VERSION = "1.0.0"
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveSummary:
-    """What one rank's part of a save did; ``FastPersistWriter.last_save`` after each save."""
-
-    bytes: int  # item bytes this rank wrote
-    seconds: float  # write_data, from first resolve to fsync
-    files: tuple[str, ...]
-    engine: str  # e.g. "io_uring", or "threads (io_uring refused by the kernel: ...)"
-    direct_io: bool  # whether the data files were written with O_DIRECT
-    staging: str = "none"  # how device tensors reached the host ("none" when the state was all on the CPU)
-    referenced: int = 0  # incremental saves: item bytes found unchanged and referenced in the base, not written
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-    def describe_io(self) -> str:
-        """``io_uring, O_DIRECT``: the engine and how the files were opened."""
-        return f"{self.engine}, {'O_DIRECT' if self.direct_io else 'page cache'}"
 
 
 class FastPersistWriter(StorageWriter):
@@ -176,7 +156,7 @@ class FastPersistWriter(StorageWriter):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
         self.mode: Mode = mode
         self._id = uuid.uuid4().hex
-        self._start(WriterResources(self.config))
+        self._start(WriterResources(self.config, self.placement.files_per_rank))
 
     def _start(self, resources: WriterResources) -> None:
         """The per-process state: made by ``__init__`` and again where the writer is unpickled."""
@@ -225,7 +205,8 @@ class FastPersistWriter(StorageWriter):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._start(shared_resources(self._id, self.config))
+        self.placement = Placement(self._path or "", self.data_dirs, self.lanes_per_dir)
+        self._start(shared_resources(self._id, self.config, self.placement.files_per_rank))
 
     @property
     def path(self) -> str:
