@@ -6,17 +6,20 @@ Sections, in this order; each is skipped once the time budget is spent, and one
 that fails is reported in the table without stopping the others:
 
 - ``peaks``: pinned device-to-host and host-to-device copy peaks (1 GiB, side stream);
-- ``staging``: the snapshot copy (GPU state to the page-locked arena, as
-  ``async_save`` in snapshot mode does it) and streaming saves into a tmpfs
-  directory, against the D2H peak;
+- ``staging``: the snapshot copy (GPU state to the page-locked arena), timed
+  through ``async_save`` until ``staging_completion`` and alone
+  (``Snapshot.take``), and streaming saves into a tmpfs directory, against
+  the D2H peak;
 - ``shm8``: one rank saving a ``--shm-gib`` GPU state with ``data_dirs`` set to 8
   directories on tmpfs, against ``fio --numjobs=8`` writing as many bytes into
   the same directories: the ceiling of one rank's pipeline;
-- ``save``: save GB/s from the GPU state to ``--dir``, fp-dcp against
+- ``disk``: save GB/s from the GPU state to ``--dir``, fp-dcp against
   ``FileSystemWriter(thread_count=1)``, interleaved, median of the repeats;
-- ``load``: cold load of that checkpoint into CUDA tensors, fp-dcp against
-  ``FileSystemReader``, against the disk's direct read of the same bytes (fio,
-  else dd) and the pinned H2D peak;
+- ``disk``: cold load of that checkpoint into CUDA tensors, fp-dcp against
+  ``FileSystemReader``, fp-dcp into CPU tensors, the disk's direct read of the
+  same bytes (fio, else dd) and the pinned H2D peak;
+- ``shm_load``: the same state loaded from tmpfs (no disk in the way) into CUDA
+  and into CPU tensors;
 - ``async``: how long ``dcp.async_save`` keeps the caller (until
   ``staging_completion``) against ``dcp.save``, both modes, steady state;
 - ``small``: 10,000 GPU tensors of 4-64 KiB saved with the gather kernel, with
@@ -67,10 +70,13 @@ DEMO_ARGS = (
 # The issue's bars on CUDA: (name, key in the flat figures, comparison, limit).
 BARS = [
     ("snapshot staging / D2H peak", "staging_over_d2h", ">=", 0.8),
+    ("snapshot copy alone / D2H peak", "take_over_d2h", ">=", 0.8),
     ("async snapshot blocked / sync save", "snapshot_blocked_over_sync", "<=", 0.05),
     ("overlapped overhead % of iteration (worst mode)", "overlap_overhead_pct", "<=", 5.0),
     ("8-dir tmpfs save / fio numjobs=8", "shm8_over_fio", ">=", 0.8),
     ("cold load into CUDA / disk's direct read", "load_over_direct", ">=", 0.9),
+    ("cold load into CUDA / into CPU", "cuda_over_cpu_load", ">=", 0.95),
+    ("load from tmpfs into CUDA, GB/s", "shm_load_gbps", ">=", 10.0),
 ]
 
 
@@ -112,7 +118,7 @@ def copy_peaks(nbytes: int = GiB, repeats: int = 5) -> dict[str, Any]:
 def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> dict[str, Any]:
     """Staging alone: snapshot copies (until staging_completion) and streaming saves into tmpfs."""
     path = tempfile.mkdtemp(prefix="staging-", dir=memory_dir)
-    snapshots, streaming = [], []
+    snapshots, streaming, takes = [], [], []
     try:
         with FastPersistWriter(path, mode="snapshot") as writer:
             for _ in range(3):  # the first allocates and page-locks the arena
@@ -124,13 +130,21 @@ def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> d
 
                 snapshots.append(size / timed(device, snapshot) / GB)
                 responses[-1].upload_completion.result()
+            arena = writer._staging.snapshot  # the copy alone, as the staging thread runs it
+            for _ in range(3):
+                takes.append(size / timed(device, lambda a=arena: a.take(state, {})) / GB)
         with FastPersistWriter(path) as writer:
             for _ in range(3):
                 streaming.append(size / timed(device, lambda w=writer: dcp.save(state, storage_writer=w)) / GB)
             how = writer.last_save.staging if writer.last_save else "?"
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    return {"snapshot_gbps": max(snapshots[1:]), "streaming_gbps": max(streaming[1:]), "staging": how}
+    return {
+        "snapshot_gbps": max(snapshots[1:]),
+        "snapshot_take_gbps": max(takes),
+        "streaming_gbps": max(streaming[1:]),
+        "staging": how,
+    }
 
 
 def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
@@ -188,13 +202,15 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
         saves["FileSystemWriter t=1"].append(size / timed(device, lambda w=fs: dcp.save(state, storage_writer=w)) / GB)
     writer.close()
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    loads: dict[str, list[float]] = {"fp-dcp": [], "FileSystemReader": [], "direct read": []}
+    host = {k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    loads: dict[str, list[float]] = {"fp-dcp": [], "fp-dcp into CPU": [], "FileSystemReader": [], "direct read": []}
     reader = FastPersistReader(fp_path)
     fio = fio_binary()
     data = [os.path.join(fp_path, n) for n in os.listdir(fp_path) if n.endswith(".distcp")]
     for _ in range(repeats):
         for name, path, load in (
             ("fp-dcp", fp_path, lambda: dcp.load(target, storage_reader=reader)),
+            ("fp-dcp into CPU", fp_path, lambda: dcp.load(host, storage_reader=reader)),
             ("FileSystemReader", fs_path, lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(fs_path))),
             ("direct read", fp_path, lambda: direct_read(fio, data)),
         ):
@@ -205,6 +221,7 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
         "save_fp_gbps": statistics.median(saves["fp-dcp"]),
         "save_fs_gbps": statistics.median(saves["FileSystemWriter t=1"]),
         "load_fp_gbps": statistics.median(loads["fp-dcp"]),
+        "load_fp_cpu_gbps": statistics.median(loads["fp-dcp into CPU"]),
         "load_fs_gbps": statistics.median(loads["FileSystemReader"]),
         "direct_read_gbps": statistics.median(loads["direct read"]),
         "direct_read_tool": "fio" if fio else "dd",
@@ -212,6 +229,25 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
         "bit_exact": not bad,
         "runs": {"save": saves, "load": loads},
     }
+
+
+def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> dict[str, Any]:
+    """Loads of a checkpoint held in tmpfs (memory: no disk in the way) into device and into CPU tensors."""
+    path = tempfile.mkdtemp(prefix="shm-load-", dir=memory_dir)
+    try:
+        with FastPersistWriter(path) as writer:
+            dcp.save(state, storage_writer=writer)
+        target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        host = {k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        rates: dict[str, list[float]] = {"device": [], "cpu": []}
+        with FastPersistReader(path) as reader:
+            for _ in range(3):
+                rates["device"].append(size / timed(device, lambda: dcp.load(target, storage_reader=reader)) / GB)
+                rates["cpu"].append(size / timed(device, lambda: dcp.load(host, storage_reader=reader)) / GB)
+        exact = all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"device_gbps": max(rates["device"]), "cpu_gbps": max(rates["cpu"]), "bit_exact": exact, "runs": rates}
 
 
 def direct_read(fio: str | None, files: list[str]) -> None:
@@ -329,12 +365,16 @@ def flat_figures(r: dict[str, Any]) -> dict[str, float]:
     d2h = r.get("peaks", {}).get("d2h_gbps")
     if d2h and "staging" in r:
         f["staging_over_d2h"] = r["staging"]["snapshot_gbps"] / d2h
+        f["take_over_d2h"] = r["staging"]["snapshot_take_gbps"] / d2h
     if "async_snapshot" in r:
         f["snapshot_blocked_over_sync"] = r["async_snapshot"]["blocked_over_sync"]
     if r.get("shm8", {}).get("over_fio"):
         f["shm8_over_fio"] = r["shm8"]["over_fio"]
     if "disk" in r:
         f["load_over_direct"] = r["disk"]["load_fp_gbps"] / r["disk"]["direct_read_gbps"]
+        f["cuda_over_cpu_load"] = r["disk"]["load_fp_gbps"] / r["disk"]["load_fp_cpu_gbps"]
+    if "shm_load" in r:
+        f["shm_load_gbps"] = r["shm_load"]["device_gbps"]
     if "demo" in r:
         overlapped = [m["overhead_pct"] for n, m in r["demo"]["modes"].items() if n.startswith("fp-overlap")]
         if overlapped and None not in overlapped:
@@ -358,7 +398,8 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
         )
     if "staging" in r:
         s = r["staging"]
-        rows.append(("staging: snapshot copy to the page-locked arena", f"{s['snapshot_gbps']:.1f} GB/s"))
+        rows.append(("staging: async_save until staging_completion", f"{s['snapshot_gbps']:.1f} GB/s"))
+        rows.append(("staging: the snapshot copy alone (Snapshot.take)", f"{s['snapshot_take_gbps']:.1f} GB/s"))
         rows.append(("staging: streaming save into tmpfs (one dir)", f"{s['streaming_gbps']:.2f} GB/s"))
         rows.append(("staging: how", s["staging"]))
     if "shm8" in r:
@@ -382,7 +423,12 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
         rows.append((f"disk's direct read ({s['direct_read_tool']})", f"{s['direct_read_gbps']:.2f} GB/s"))
+        rows.append(("cold load into CPU tensors: fp-dcp", f"{s['load_fp_cpu_gbps']:.2f} GB/s"))
         rows.append(("cold load bit-exact", str(s["bit_exact"])))
+    if "shm_load" in r:
+        s = r["shm_load"]
+        rows.append(("load from tmpfs into CUDA / into CPU", f"{s['device_gbps']:.2f} / {s['cpu_gbps']:.2f} GB/s"))
+        rows.append(("load from tmpfs bit-exact", str(s["bit_exact"])))
     for mode in ("snapshot", "streaming"):
         if f"async_{mode}" in r:
             a = r[f"async_{mode}"]
@@ -495,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         section("staging", 30, lambda: staging(held["state"], size, args.memory_dir, device))
         section("shm8", 40, lambda: shm8(int(args.shm_gib * GiB), args.memory_dir, device))
         section("disk", 60, lambda: save_and_load(held["state"], size, args.dir, args.repeats, device))
+        section("shm_load", 20, lambda: shm_load(held["state"], size, args.memory_dir, device))
         for mode in ("snapshot", "streaming"):
             section(f"async_{mode}", 30, lambda m=mode: async_vs_sync(held["state"], args.dir, m, args.repeats, device))
         held.clear()

@@ -9,7 +9,8 @@
 # (the CUDA runtime double), then benchmarks/gpu_check.py, whose table is printed at the end
 # even when a section fails. OUT_DIR gets gpu_check.json, train_demo.json and the logs.
 # Environment: PYTHON (default python3), CHECK_DIR (where checkpoints are written; default: the
-# repository, i.e. the local disk), BUDGET_S (gpu_check.py's time budget, default 270).
+# repository, i.e. the local disk), BUDGET_S (gpu_check.py's time budget, default 270), SKIP
+# (gpu_check.py sections to skip, comma-separated).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
@@ -36,15 +37,15 @@ print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
       + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 PY
 
-echo "== tests (in file order: staging, page-locking, kernels, overlap)"
+echo "== tests (in file order: staging, page-locking, GPU loads, kernels, overlap)"
 set +e
 timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_staging.py tests/test_page_locking.py \
-  tests/test_cuda_sources.py tests/test_overlap.py 2>&1 | tee "$OUT/tests.log" | tail -n 25
+  tests/test_gpu_loads.py tests/test_cuda_sources.py tests/test_overlap.py 2>&1 | tee "$OUT/tests.log" | tail -n 25
 TESTS=${PIPESTATUS[0]}
 set -e
 echo "tests exit status: $TESTS; build and tests took $(( SECONDS - START )) s"
 
 echo "== measurements"
 "$PYTHON" benchmarks/gpu_check.py "$OUT" --device cuda --dir "${CHECK_DIR:-.}" --budget-s "${BUDGET_S:-270}" \
-  --tests-status "$TESTS" 2>&1 | tee "$OUT/measure.log"
+  --skip "${SKIP:-}" --tests-status "$TESTS" 2>&1 | tee "$OUT/measure.log"
 exit "$TESTS"

@@ -705,8 +705,9 @@ static PyObject *ring_rw(RingObject *r, PyObject *args, int is_write)
     Py_buffer view;
     long long offset;
     PyObject *tag;
-    if (!PyArg_ParseTuple(args, is_write ? "iy*LO:write" : "iw*LO:read", &fd, &view, &offset,
-                          &tag))
+    int punt = 0;
+    if (!PyArg_ParseTuple(args, is_write ? "iy*LO|p:write" : "iw*LO|p:read", &fd, &view, &offset,
+                          &tag, &punt))
         return NULL;
     if ((size_t)view.len > MAX_REQUEST_BYTES || offset < 0) {
         PyErr_Format(PyExc_ValueError, "Ring: request of %zd bytes at offset %lld is out of range",
@@ -730,6 +731,8 @@ static PyObject *ring_rw(RingObject *r, PyObject *args, int is_write)
         io_uring_prep_read_fixed(sqe, fd, view.buf, len, (__u64)offset, fixed);
     else
         io_uring_prep_read(sqe, fd, view.buf, len, (__u64)offset);
+    if (punt) /* to the kernel's io-wq workers: a page-cache copy then runs beside the caller, not in it */
+        io_uring_sqe_set_flags(sqe, IOSQE_ASYNC);
     r->slots[idx].view = view; /* the slot now owns the export */
     Py_INCREF(tag);
     r->slots[idx].tag = tag;
@@ -852,9 +855,11 @@ static PyObject *ring_get_fixed(RingObject *r, void *closure)
 
 static PyMethodDef ring_methods[] = {
     {"write", (PyCFunction)ring_write, METH_VARARGS,
-     "write(fd, buffer, offset, tag) -> None: queue a write of buffer at offset."},
+     "write(fd, buffer, offset, tag, punt=False) -> None: queue a write of buffer at offset; punt hands it "
+     "to the kernel's worker threads (IOSQE_ASYNC)."},
     {"read", (PyCFunction)ring_read, METH_VARARGS,
-     "read(fd, buffer, offset, tag) -> None: queue a read into buffer from offset."},
+     "read(fd, buffer, offset, tag, punt=False) -> None: queue a read into buffer from offset; punt as for "
+     "write."},
     {"fsync", (PyCFunction)(void (*)(void))ring_fsync, METH_VARARGS | METH_KEYWORDS,
      "fsync(fd, tag, datasync=False) -> None: queue an fsync (fdatasync if datasync)."},
     {"wait", (PyCFunction)(void (*)(void))ring_wait_method, METH_VARARGS | METH_KEYWORDS,

@@ -153,6 +153,26 @@ def test_ring_write_read_fsync_roundtrip(tmp_path):
 
 
 @needs_uring
+def test_ring_punts_page_cache_transfers_to_the_kernels_workers(tmp_path):
+    """Punted (IOSQE_ASYNC) writes and reads move the same bytes; errors come back the same way."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        ring = _cio.Ring(8)
+        out = bytearray(os.urandom(1 << 20))
+        for i in range(4):
+            ring.write(fd, memoryview(out)[i << 18 : (i + 1) << 18], i << 18, i, True)
+        assert sorted(ring.wait(4)) == [(i, 1 << 18) for i in range(4)]
+        back = bytearray(1 << 20)
+        ring.read(fd, memoryview(back), 0, "r", True)
+        assert ring.wait(1) == [("r", 1 << 20)] and back == out
+        ring.read(-1, memoryview(back), 0, "bad-fd", True)
+        assert ring.wait(1) == [("bad-fd", -errno.EBADF)]
+        ring.close()
+    finally:
+        os.close(fd)
+
+
+@needs_uring
 def test_ring_reports_errno_and_bounds_depth(tmp_path):
     ring = _cio.Ring(2)
     buf = aligned(4096)

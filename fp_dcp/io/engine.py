@@ -173,10 +173,12 @@ class UringEngine(Engine):
             req = backlog.popleft()
             if req.view is None:
                 ring.fsync(req.file.fd, req)
+            # A page-cache transfer is a memory copy the kernel would run in this thread at submission;
+            # its workers run several at once (from tmpfs, a GPU load's reads then keep pace with the bus).
             elif req.is_write:
-                ring.write(req.file.fd, req.view, req.offset, req)
+                ring.write(req.file.fd, req.view, req.offset, req, not req.file.direct)
             else:
-                ring.read(req.file.fd, req.view, req.offset, req)
+                ring.read(req.file.fd, req.view, req.offset, req, not req.file.direct)
         self._complete(ring.wait(0))
 
     def _complete(self, completions: list[tuple[_Request, int]]) -> None:
