@@ -9,6 +9,7 @@ import torch
 from dist_util import run_ranks
 from tiers_util import (
     EnvRank,
+    committed,
     data_files,
     drop_node,
     flip_byte,
@@ -20,6 +21,7 @@ from tiers_util import (
     save_steps,
     seaweedfs,
     slow_drain_run,
+    unprunable_run,
 )
 
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps
@@ -178,3 +180,15 @@ def test_a_failing_drain_is_retried_reported_and_never_stops_training(tmp_path, 
         mgr.wait()
         assert [(s.step, s.status) for s in mgr.steps()][-1] == (2, "complete")  # the local tier went on all along
     assert not os.path.exists(tmp_path / "durable" / "step-1" / ".metadata")  # nothing committed
+
+
+def test_a_durable_root_that_cannot_be_pruned_is_reported_on_every_rank_and_hangs_none(tmp_path):
+    tmp = str(tmp_path)
+    done = run_ranks(2, unprunable_run, tmp)  # rank 0 prunes; rank 1 waits for its word in the drain's group
+    for rank, result in enumerate(done):
+        problems, _, _ = result["drain"]
+        assert len(problems) == 1 and "refuses to delete step-1/.metadata" in problems[0], (rank, result)
+        assert result["error"].startswith("step 2 was copied to "), (rank, result)  # committed, but not pruned
+        assert "older durable steps were not pruned" in result["error"], (rank, result)
+    assert committed(os.path.join(tmp, "durable")) == [1, 2]  # step 2 is durable; step 1 could not be removed
+    assert list_steps(local_root(tmp, "a"))[-1].copies == ("durable",)
