@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from tiers_util import (
 )
 
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps
-from fp_dcp.tiers import PosixStore, Retry
+from fp_dcp.tiers import FsspecStore, PosixStore, Retry
 
 WORLD = 4
 
@@ -192,3 +193,26 @@ def test_a_durable_root_that_cannot_be_pruned_is_reported_on_every_rank_and_hang
         assert "older durable steps were not pruned" in result["error"], (rank, result)
     assert committed(os.path.join(tmp, "durable")) == [1, 2]  # step 2 is durable; step 1 could not be removed
     assert list_steps(local_root(tmp, "a"))[-1].copies == ("durable",)
+
+
+NOT_STEPS = ["step-\u00b2", "step-\u0663", "step-", "step-1a", "step--1", "step-+1", "step- 1"]  # ², Arabic-Indic 3
+
+
+def test_only_step_and_ascii_digits_name_a_step_in_every_tier(tmp_path):
+    durable = str(tmp_path / "durable")
+    state = {"w": torch.arange(1000.0)}
+    with CheckpointManager(tmp_path / "run-{node}", durable=durable, keep_durable=1) as mgr:
+        mgr.save(1, state)
+        root = mgr.tiers.root
+    for name in NOT_STEPS:  # a user's, or another tool's: never a step, never an error
+        for directory in (os.path.join(root, name), os.path.join(durable, name)):
+            os.mkdir(directory)
+            shutil.copy(os.path.join(root, "step-1", ".metadata"), directory)
+    assert [s.step for s in list_steps(root)] == [1]
+    assert list(PosixStore(durable).inventory()) == ["step-1"]
+    assert list(FsspecStore(f"file://{durable}").inventory()) == ["step-1"]
+    with CheckpointManager(tmp_path / "run-{node}", durable=durable, keep_durable=1) as mgr:
+        restored = {"w": torch.zeros(1000)}
+        assert mgr.restore(restored) == 1 and torch.equal(restored["w"], state["w"])
+        mgr.save(2, state)  # drained, and the durable root pruned to step 2
+    assert sorted(os.listdir(durable)) == sorted(["step-2", *NOT_STEPS])

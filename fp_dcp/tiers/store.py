@@ -25,7 +25,7 @@ from ..format import METADATA_NAME
 from ..io.files import fsync_directory, write_durably
 from ..load.verify import StreamCheck
 from ..units import MiB
-from .layout import list_tier
+from .layout import list_tier, parse_step_name
 
 __all__ = ["DurableStore", "PosixStore", "FsspecStore", "Retry", "open_store", "retrying"]
 
@@ -189,7 +189,7 @@ class FsspecStore(DurableStore):
             return found
         for path, info in listed.items():
             step, _, name = os.path.relpath(path, self.root).partition("/")
-            if step.startswith("step-") and name and "/" not in name:
+            if parse_step_name(step) is not None and name and "/" not in name:
                 found.setdefault(step, {})[name] = int(info["size"])
         return found
 
