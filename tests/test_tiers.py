@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -25,7 +26,9 @@ from tiers_util import (
     unprunable_run,
 )
 
+import fp_dcp.tiers.store
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps
+from fp_dcp.load.verify import StreamCheck
 from fp_dcp.tiers import FsspecStore, PosixStore, Retry
 
 WORLD = 4
@@ -216,3 +219,43 @@ def test_only_step_and_ascii_digits_name_a_step_in_every_tier(tmp_path):
         assert mgr.restore(restored) == 1 and torch.equal(restored["w"], state["w"])
         mgr.save(2, state)  # drained, and the durable root pruned to step 2
     assert sorted(os.listdir(durable)) == sorted(["step-2", *NOT_STEPS])
+
+
+def s3_store(env: dict[str, str], prefix: str) -> FsspecStore:
+    return FsspecStore(
+        f"s3://fp-dcp/{prefix}",
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]},
+    )
+
+
+@pytest.mark.parametrize("kind", ["s3", "memory"])
+@pytest.mark.parametrize("chunks", [0, 2])  # the source fails before anything, or after 16 MiB went up in parts
+def test_an_upload_that_fails_midway_leaves_nothing_under_its_key(tmp_path, kind, chunks, monkeypatch, request):
+    store = (
+        s3_store(request.getfixturevalue("s3"), tmp_path.name) if kind == "s3" else FsspecStore(f"memory://{tmp_path}")
+    )
+    data = os.urandom(20 << 20)
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    key = "step-1/__0_0.0123456789abcdef.distcp"
+    read_chunks = fp_dcp.tiers.store._read_chunks
+
+    def failing(f, size):  # the local copy's disk fails while it is read for the upload
+        for k, chunk in enumerate(read_chunks(f, size)):
+            if size is not None and k == chunks:
+                raise OSError(errno.EIO, "the local disk failed")
+            yield chunk
+
+    monkeypatch.setattr(fp_dcp.tiers.store, "_read_chunks", failing)
+    with pytest.raises(OSError, match="the local disk failed"):
+        store.put_file(key, str(source), len(data), StreamCheck(key, len(data), [], whole=False))
+    assert store.inventory() == {}
+    assert not store.fs.exists(f"{store.root}/{key}")
+    if kind == "s3":  # the parts already sent were thrown away, not left for the bucket to keep
+        assert not [u for u in store.fs.list_multipart_uploads("fp-dcp") if u["Key"].startswith(tmp_path.name)]
+    monkeypatch.undo()
+    assert store.put_file(key, str(source), len(data), StreamCheck(key, len(data), [], whole=False)) == []
+    assert store.inventory() == {"step-1": {os.path.basename(key): len(data)}}
+    assert store.get_bytes(key) == data
