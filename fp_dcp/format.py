@@ -170,7 +170,9 @@ def encode_metadata(metadata: Metadata, files: dict[str, dict[str, Any]], extra:
 def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
     """The footer, from the last bytes of ``.metadata`` (at least footer and trailer; all of it will do).
 
-    Checks the trailer, the footer's checksum, format name, version and byte order.
+    Checks the trailer, the footer's checksum, format name, version, the
+    keys it always has (and each data file entry's) with their types, and
+    the byte order.
     """
     if not is_fp_metadata(tail):
         raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
@@ -192,11 +194,36 @@ def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
             f"{where} was written in fp-dcp format version {version}; this fp-dcp reads "
             f"versions up to {FORMAT_VERSION}: upgrade fp-dcp"
         )
+    _check_keys(footer, _FOOTER_KEYS, f"{where}: footer")
+    for name, entry in footer["files"].items():
+        _check_keys(entry, _ENTRY_KEYS, f"{where}: footer's entry for {name}")
     if footer["byteorder"] != sys.byteorder:
         raise IncompatibleCheckpointError(
             f"{where} holds {footer['byteorder']}-endian data; this host is {sys.byteorder}-endian"
         )
     return footer
+
+
+# The keys a footer, and each entry of its "files", always has (optional ones: when there), and their JSON types.
+_Keys = dict[str, tuple[type, ...]]
+_FOOTER_KEYS: _Keys = {"pickle_length": (int,), "pickle_crc32c": (int,), "files": (dict,), "byteorder": (str,)}
+_ENTRY_KEYS: _Keys = {"size": (int,), "dir": (int, type(None)), "owner": (str,)}
+_OPTIONAL = {"owner"}
+_JSON_TYPES = {int: "an integer", str: "a string", dict: "an object", type(None): "null"}
+
+
+def _check_keys(found: Any, keys: _Keys, what: str) -> None:
+    """CorruptCheckpointError naming ``what`` and the key, unless ``found`` is an object holding ``keys``."""
+    if type(found) is not dict:
+        raise CorruptCheckpointError(f"{what} is {found!r}, not an object")
+    for key, types in keys.items():
+        if key not in found:
+            if key in _OPTIONAL:
+                continue
+            raise CorruptCheckpointError(f"{what} has no {key!r}")
+        if type(found[key]) not in types:  # type(), not isinstance: JSON's true is no integer
+            kinds = " or ".join(_JSON_TYPES[t] for t in types)
+            raise CorruptCheckpointError(f"{what} gives {key} {found[key]!r}, not {kinds}")
 
 
 def footer_span(trailer: bytes) -> int:

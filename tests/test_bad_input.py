@@ -11,7 +11,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,13 +136,15 @@ def test_reader_on_missing_and_non_checkpoint_directories(tmp_path):
     assert not FastPersistReader.validate_checkpoint_id(tmp_path / "plain")
 
 
-def rewrite_footer(path, **changes) -> None:
-    """Re-encode .metadata's footer with ``changes``, keeping its checksums valid."""
+def rewrite_footer(path, edit: Callable[[dict[str, Any]], None] | None = None, **changes) -> None:
+    """Re-encode .metadata's footer with ``changes`` (and ``edit`` applied to it), keeping its checksums valid."""
     data = (path / ".metadata").read_bytes()
     footer_len, _, magic = struct.unpack("<II8s", data[-16:])
     body_end = len(data) - 16 - footer_len
     footer = json.loads(data[body_end:-16])
     footer.update(changes)
+    if edit is not None:
+        edit(footer)
     new = json.dumps(footer).encode()
     (path / ".metadata").write_bytes(
         data[:body_end] + new + struct.pack("<II8s", len(new), format._cio.crc32c(new), magic)
@@ -162,6 +166,38 @@ def test_reader_refuses_a_format_version_that_is_no_version(ckpt, version):
     save({"w": torch.ones(2)}, ckpt)
     rewrite_footer(ckpt, format_version=version)
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"footer gives format_version {version!r}")):
+        FastPersistReader(ckpt).read_metadata()
+
+
+ENTRY_KEYS = ("size", "dir", "owner")  # of each data file's entry in the footer's "files" (owner: optional)
+
+
+@pytest.mark.parametrize("key", ["byteorder", "files", "pickle_length", "pickle_crc32c", "size", "dir"])
+def test_a_footer_without_a_key_it_always_has_is_damage_naming_the_key_and_the_file(ckpt, key):
+    save({"w": torch.ones(2)}, ckpt)
+    name = next(iter(format.decode_footer((ckpt / ".metadata").read_bytes(), "")["files"]))
+
+    def drop(footer: dict[str, Any]) -> None:
+        del (footer["files"][name] if key in ENTRY_KEYS else footer)[key]
+
+    rewrite_footer(ckpt, drop)
+    whose = f"footer's entry for {name}" if key in ENTRY_KEYS else "footer"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{ckpt / '.metadata'}: {whose} has no {key!r}")):
+        FastPersistReader(ckpt).read_metadata()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("byteorder", 1), ("files", []), ("pickle_length", "64"), ("size", 4096.0), ("dir", True), ("owner", 5)],
+)
+def test_a_footer_key_of_the_wrong_type_is_damage_naming_it(ckpt, key, value):
+    save({"w": torch.ones(2)}, ckpt)
+
+    def spoil(footer: dict[str, Any]) -> None:
+        (next(iter(footer["files"].values())) if key in ENTRY_KEYS else footer)[key] = value
+
+    rewrite_footer(ckpt, spoil)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"gives {key} {value!r}, not ")):
         FastPersistReader(ckpt).read_metadata()
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -362,6 +363,16 @@ def test_saving_over_a_step_that_a_newer_one_references_is_refused(tmp_path):
     with CheckpointManager(root) as mgr:
         assert mgr.restore(state) == 3
     assert_tuned(state, 3)
+
+
+@pytest.mark.parametrize("step", [-1, 2.0, "2", True, None])
+def test_a_step_that_is_not_a_non_negative_int_is_refused(tmp_path, step):
+    with CheckpointManager(tmp_path, asynchronous=False) as mgr:
+        with pytest.raises(ValueError, match=rf"got {re.escape(repr(step))}$"):
+            mgr.save(step, state_at(2))  # step--1, step-2.0, step-True: no listing would ever find it
+        mgr.save(numpy.int64(2), state_at(2))  # an integer of another type names step-2
+    assert sorted(os.listdir(tmp_path)) == [".lock", "step-2"]
+    assert restored(tmp_path)[0] == 2
 
 
 @needs_xxhash

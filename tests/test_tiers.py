@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 
 import pytest
 import torch
 from dist_util import run_ranks
 from tiers_util import (
     EnvRank,
+    committed,
     data_files,
     drop_node,
     flip_byte,
@@ -20,10 +23,13 @@ from tiers_util import (
     save_steps,
     seaweedfs,
     slow_drain_run,
+    unprunable_run,
 )
 
+import fp_dcp.tiers.store
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps
-from fp_dcp.tiers import PosixStore, Retry
+from fp_dcp.load.verify import StreamCheck
+from fp_dcp.tiers import FsspecStore, PosixStore, Retry
 
 WORLD = 4
 
@@ -178,3 +184,78 @@ def test_a_failing_drain_is_retried_reported_and_never_stops_training(tmp_path, 
         mgr.wait()
         assert [(s.step, s.status) for s in mgr.steps()][-1] == (2, "complete")  # the local tier went on all along
     assert not os.path.exists(tmp_path / "durable" / "step-1" / ".metadata")  # nothing committed
+
+
+def test_a_durable_root_that_cannot_be_pruned_is_reported_on_every_rank_and_hangs_none(tmp_path):
+    tmp = str(tmp_path)
+    done = run_ranks(2, unprunable_run, tmp)  # rank 0 prunes; rank 1 waits for its word in the drain's group
+    for rank, result in enumerate(done):
+        problems, _, _ = result["drain"]
+        assert len(problems) == 1 and "refuses to delete step-1/.metadata" in problems[0], (rank, result)
+        assert result["error"].startswith("step 2 was copied to "), (rank, result)  # committed, but not pruned
+        assert "older durable steps were not pruned" in result["error"], (rank, result)
+    assert committed(os.path.join(tmp, "durable")) == [1, 2]  # step 2 is durable; step 1 could not be removed
+    assert list_steps(local_root(tmp, "a"))[-1].copies == ("durable",)
+
+
+NOT_STEPS = ["step-\u00b2", "step-\u0663", "step-", "step-1a", "step--1", "step-+1", "step- 1"]  # ², Arabic-Indic 3
+
+
+def test_only_step_and_ascii_digits_name_a_step_in_every_tier(tmp_path):
+    durable = str(tmp_path / "durable")
+    state = {"w": torch.arange(1000.0)}
+    with CheckpointManager(tmp_path / "run-{node}", durable=durable, keep_durable=1) as mgr:
+        mgr.save(1, state)
+        root = mgr.tiers.root
+    for name in NOT_STEPS:  # a user's, or another tool's: never a step, never an error
+        for directory in (os.path.join(root, name), os.path.join(durable, name)):
+            os.mkdir(directory)
+            shutil.copy(os.path.join(root, "step-1", ".metadata"), directory)
+    assert [s.step for s in list_steps(root)] == [1]
+    assert list(PosixStore(durable).inventory()) == ["step-1"]
+    assert list(FsspecStore(f"file://{durable}").inventory()) == ["step-1"]
+    with CheckpointManager(tmp_path / "run-{node}", durable=durable, keep_durable=1) as mgr:
+        restored = {"w": torch.zeros(1000)}
+        assert mgr.restore(restored) == 1 and torch.equal(restored["w"], state["w"])
+        mgr.save(2, state)  # drained, and the durable root pruned to step 2
+    assert sorted(os.listdir(durable)) == sorted(["step-2", *NOT_STEPS])
+
+
+def s3_store(env: dict[str, str], prefix: str) -> FsspecStore:
+    return FsspecStore(
+        f"s3://fp-dcp/{prefix}",
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]},
+    )
+
+
+@pytest.mark.parametrize("kind", ["s3", "memory"])
+@pytest.mark.parametrize("chunks", [0, 2])  # the source fails before anything, or after 16 MiB went up in parts
+def test_an_upload_that_fails_midway_leaves_nothing_under_its_key(tmp_path, kind, chunks, monkeypatch, request):
+    store = (
+        s3_store(request.getfixturevalue("s3"), tmp_path.name) if kind == "s3" else FsspecStore(f"memory://{tmp_path}")
+    )
+    data = os.urandom(20 << 20)
+    source = tmp_path / "source"
+    source.write_bytes(data)
+    key = "step-1/__0_0.0123456789abcdef.distcp"
+    read_chunks = fp_dcp.tiers.store._read_chunks
+
+    def failing(f, size):  # the local copy's disk fails while it is read for the upload
+        for k, chunk in enumerate(read_chunks(f, size)):
+            if size is not None and k == chunks:
+                raise OSError(errno.EIO, "the local disk failed")
+            yield chunk
+
+    monkeypatch.setattr(fp_dcp.tiers.store, "_read_chunks", failing)
+    with pytest.raises(OSError, match="the local disk failed"):
+        store.put_file(key, str(source), len(data), StreamCheck(key, len(data), [], whole=False))
+    assert store.inventory() == {}
+    assert not store.fs.exists(f"{store.root}/{key}")
+    if kind == "s3":  # the parts already sent were thrown away, not left for the bucket to keep
+        assert not [u for u in store.fs.list_multipart_uploads("fp-dcp") if u["Key"].startswith(tmp_path.name)]
+    monkeypatch.undo()
+    assert store.put_file(key, str(source), len(data), StreamCheck(key, len(data), [], whole=False)) == []
+    assert store.inventory() == {"step-1": {os.path.basename(key): len(data)}}
+    assert store.get_bytes(key) == data

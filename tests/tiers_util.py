@@ -207,6 +207,19 @@ class SlowStore(PosixStore):
         return super().put_file(key, source, size, check)
 
 
+class UnprunableStore(PosixStore):
+    """A durable directory that stores and reads back, but refuses every removal: pruning fails."""
+
+    def delete(self, key: str) -> None:
+        raise ConnectionError(f"the store refuses to delete {key}")
+
+
+def unprunable_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Two steps drained with keep_durable=1 into an ``UnprunableStore``: step 2's commit must prune step 1."""
+    options = {"durable": UnprunableStore(os.path.join(tmp, "durable")), "keep_durable": 1}
+    return save_steps(rank, world, tmp, [1, 2], options)
+
+
 def committed(durable: str) -> list[int]:
     """The steps the durable directory holds a committed copy of."""
     steps = []

@@ -11,7 +11,9 @@
    leaves objects that no restore takes, and the next drain or manager
    removes them (``prune_durable``).
 4. Durable retention keeps the newest ``keep`` steps, and every object they
-   reference; the step just committed is always among them.
+   reference; the step just committed is always among them. Retention that
+   fails leaves the step committed, and is reported on every rank like a
+   failed drain: a rank that raised here would leave the others waiting.
 
 A drain that fails is reported in its result and never raised here: the
 training goes on, and the manager decides what to tell the user.
@@ -42,9 +44,10 @@ class Drained:
     """What one step's drain did (the same on every rank, but ``uploaded``)."""
 
     step: int
-    problems: list[str]
+    problems: list[str]  # of a committed step: those of durable retention alone
     uploaded: int  # bytes this rank stored
     skipped: int  # files the durable root already held (an incremental step's references)
+    committed: bool = False  # the step's .metadata is stored: a restore can take it
 
     @property
     def ok(self) -> bool:
@@ -75,6 +78,7 @@ def drain(step: int, directory: str, store: DurableStore, nodes: Nodes, group: G
     unheld = [key for key in missing if key not in assigned]
     uploaded = 0
     mine: list[str] = []
+    pruning: list[str] = []
     for key in (k for k in missing if assigned.get(k) == group.rank):
         upload = functools.partial(_upload, store, key, os.path.join(root, key), files[key], layout)
         found = retrying(upload, store.retry)
@@ -94,13 +98,15 @@ def drain(step: int, directory: str, store: DurableStore, nodes: Nodes, group: G
 
         problems += retrying(commit, store.retry)
         if not problems:
-            prune_durable(store, keep)
-    problems = group.broadcast(problems)
+            pruning = _prune(store, keep)
+    problems, pruning = group.broadcast((problems, pruning))
     if problems:
         return _failed(step, problems, group)
     if group.rank == nodes.leader(nodes.names[group.rank]):
         write_durably(os.path.join(directory, DURABLE_NAME), b"")
-    return Drained(step, [], uploaded, len(files) - len(missing))
+    if pruning and group.rank == 0:
+        log.warning("fp-dcp: step %d was drained to %s, but %s", step, store.url, pruning[0])
+    return Drained(step, pruning, uploaded, len(files) - len(missing), committed=True)
 
 
 def _missing(store: DurableStore, files: dict[str, int]) -> list[str]:
@@ -109,6 +115,15 @@ def _missing(store: DurableStore, files: dict[str, int]) -> list[str]:
     return sorted(
         key for key, size in files.items() if held.get(os.path.dirname(key), {}).get(os.path.basename(key)) != size
     )
+
+
+def _prune(store: DurableStore, keep: int) -> list[str]:
+    """``prune_durable``, its failure returned: the coordinator must still tell every rank how the drain went."""
+    try:
+        prune_durable(store, keep)
+    except Exception as e:  # the store unreachable while pruning: the step stays committed, the next drain prunes
+        return [f"older durable steps were not pruned (the next drain tries again): {type(e).__name__}: {e}"]
+    return []
 
 
 def _failed(step: int, problems: list[str], group: Group) -> Drained:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import secrets
 from typing import Any
 
@@ -36,14 +37,17 @@ __all__ = [
 ]
 
 
+_STEP = re.compile(r"step-([0-9]+)")  # [0-9]: \d and str.isdigit() take other scripts' digits too
+
+
 def step_name(step: int) -> str:
     return f"step-{step}"
 
 
 def parse_step_name(name: str) -> int | None:
-    """N of ``step-N``, else None."""
-    number = name.removeprefix("step-")
-    return int(number) if name.startswith("step-") and number.isdigit() else None
+    """N of a name that is ``step-`` and nothing but the ASCII digits of N (``step-007``: 7), else None."""
+    match = _STEP.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def list_tier(root: str) -> dict[str, dict[str, int]]:

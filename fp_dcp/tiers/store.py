@@ -4,9 +4,10 @@ Both keep the layout of a run's root: ``step-N/<data file>`` and
 ``step-N/.metadata``. A stored object is never taken on trust: ``put_file``
 reads back what was stored and checks it (every item's CRC-32C) before it
 counts, and only then is the object under its final name (POSIX: renamed
-into place; object stores: a ``put`` is atomic, and an object that fails its
-check is deleted). Object stores cannot rename a directory, so a step's
-``.metadata`` goes last (``put_bytes``) and is its commit marker everywhere.
+into place; object stores: a ``put`` is atomic, an upload that fails is
+aborted, never committed, and an object that fails its check is deleted).
+Object stores cannot rename a directory, so a step's ``.metadata`` goes
+last (``put_bytes``) and is its commit marker everywhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..format import METADATA_NAME
 from ..io.files import fsync_directory, write_durably
 from ..load.verify import StreamCheck
 from ..units import MiB
-from .layout import list_tier
+from .layout import list_tier, parse_step_name
 
 __all__ = ["DurableStore", "PosixStore", "FsspecStore", "Retry", "open_store", "retrying"]
 
@@ -189,15 +190,27 @@ class FsspecStore(DurableStore):
             return found
         for path, info in listed.items():
             step, _, name = os.path.relpath(path, self.root).partition("/")
-            if step.startswith("step-") and name and "/" not in name:
+            if parse_step_name(step) is not None and name and "/" not in name:
                 found.setdefault(step, {})[name] = int(info["size"])
         return found
 
     def put_file(self, key: str, source: str, size: int, check: StreamCheck) -> list[str]:
-        target = self._path(key)
-        with open(source, "rb") as src, self.fs.open(target, "wb", block_size=_CHUNK) as dst:
-            for data in _read_chunks(src, size):
-                dst.write(data)
+        # An fsspec file commits what it holds however it is closed, by an exception too. With autocommit off,
+        # closing only uploads: the object appears at commit() (S3: the multipart upload completes) or never
+        # (discard() aborts the upload, dropping its parts). _open, not open: open(autocommit=False) also
+        # queues the file on the filesystem's transaction, which nothing here would ever empty.
+        dst = self.fs._open(self._path(key), "wb", block_size=_CHUNK, autocommit=False)
+        try:
+            with open(source, "rb") as src, dst:
+                for data in _read_chunks(src, size):
+                    dst.write(data)
+            dst.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                dst.discard()
+            with contextlib.suppress(Exception):
+                self.delete(key)  # a filesystem without deferred commits (memory://) shows what was written
+            raise
         for data in self.chunks(key):
             check.feed(data)
         problems = check.problems(f"{self.url}/{key}")

@@ -131,8 +131,9 @@ class Tiers:
         result = drain(step, directory, self.store, self.nodes, self.drainage, self.keep_durable)
         self.last_drain = result
         if not result.ok:
+            done = "was copied to {}, but" if result.committed else "was not copied to {}:"
             self.durable_error = DurableStorageError(
-                f"step {step} was not copied to {self.store.url}: {'; '.join(result.problems[:3])}"
+                f"step {step} {done.format(self.store.url)} {'; '.join(result.problems[:3])}"
             )
 
     def busy(self) -> set[int]:

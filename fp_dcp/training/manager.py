@@ -27,6 +27,7 @@ newest step that is whole somewhere, each file from the fastest intact copy.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -58,6 +59,17 @@ __all__ = ["CheckpointManager", "StepInfo", "list_steps", "step_directory"]
 
 StateDict = dict[str, Any]
 T = TypeVar("T")
+
+
+def _step_number(step: int) -> int:
+    """``step`` as the int that names its directory; ValueError for what no listing reads back (``step--1``)."""
+    try:
+        number = operator.index(step)  # any integer type; TypeError for a float, a str, None
+    except TypeError:
+        number = -1
+    if number < 0 or isinstance(step, bool):
+        raise ValueError(f"a step must be an int of 0 or more (its directory is step-N), got {step!r}")
+    return number
 
 
 def _damaged(error: BaseException) -> bool:
@@ -220,9 +232,12 @@ class CheckpointManager:
     def save(self, step: int, state: StateDict) -> None:
         """Checkpoint ``state`` as ``step``; waits for the previous save first (and raises its error).
 
-        Saving over a step whose files a newer step references (in an
-        incremental run) raises ``ValueError``: it would damage that step.
+        ``step`` is an int of 0 or more (any integer type, such as numpy's),
+        else ``ValueError``. Saving over a step whose files a newer step
+        references (in an incremental run) raises ``ValueError``: it would
+        damage that step.
         """
+        step = _step_number(step)
         self.wait()
         if self.raise_durable_errors and self.tiers is not None and self.tiers.durable_error is not None:
             error, self.tiers.durable_error = self.tiers.durable_error, None  # raised once

@@ -16,14 +16,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 from typing import Literal
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError, DataDirectoryNotFoundError
 from ..format import METADATA_NAME, RETIRED_NAME
 from ..load.verify import verify_checkpoint
-from ..tiers import DURABLE_NAME, NODE_MARKER, REPLICATED_NAME
+from ..tiers import DURABLE_NAME, NODE_MARKER, REPLICATED_NAME, parse_step_name, step_name
 
 __all__ = [
     "StepInfo",
@@ -38,11 +37,9 @@ __all__ = [
 
 Status = Literal["complete", "verified", "incomplete", "corrupt", "retired", "partial"]
 
-_STEP = re.compile(r"step-(\d+)")
-
 
 def step_directory(root: str | os.PathLike[str], step: int) -> str:
-    return os.path.join(os.fspath(root), f"step-{step}")
+    return os.path.join(os.fspath(root), step_name(step))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +75,9 @@ def step_directories(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
     root = os.fspath(root)
     found = []
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        match = _STEP.fullmatch(name)
-        if match and os.path.isdir(os.path.join(root, name)):
-            found.append((int(match.group(1)), os.path.join(root, name)))
+        step = parse_step_name(name)
+        if step is not None and os.path.isdir(os.path.join(root, name)):
+            found.append((step, os.path.join(root, name)))
     return sorted(found)
 
 
