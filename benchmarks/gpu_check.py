@@ -160,8 +160,15 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
         fp_rates: list[float] = []
         with FastPersistWriter(os.path.join(root, "ckpt"), data_dirs=dirs) as writer:
             dcp.save(state, storage_writer=writer)  # warm-up: pool, page-locking
-            for _ in range(2):
-                fp_rates.append(size / timed(device, lambda: dcp.save(state, storage_writer=writer)) / GB)
+            for rep in range(2):
+                # a new checkpoint each time, removed afterwards, as fio's files are: no replaced files to unlink
+                path = os.path.join(root, f"ckpt-{rep}")
+                fp_rates.append(
+                    size / timed(device, lambda p=path: dcp.save(state, storage_writer=writer, checkpoint_id=p)) / GB
+                )
+                subdirs = [os.path.join(d, n) for d in dirs for n in os.listdir(d) if n.startswith("ckpt-")]
+                for leftover in [path, *subdirs]:
+                    shutil.rmtree(leftover)
                 if fio:
                     fio_rates.append(size / fio_write(fio, dirs, size) / GB)
             how = writer.last_save.staging if writer.last_save else "?"
