@@ -37,10 +37,9 @@ class DeviceLoads:
     def __init__(self) -> None:
         self._streams: dict[torch.device, SideStream] = {}
         self._pending: set[SideStream] = set()  # side streams with copies queued since the last settle
-        self.pinned: bool | None = None  # whether the pool of the last load with device targets is page-locked
 
     def takes(self, target: torch.Tensor) -> bool:
-        """Whether ``target``'s bytes are copied in from page-locked buffers (a GPU tensor in C order)."""
+        """Whether ``target`` (a GPU tensor) is filled from page-locked buffers on a side stream."""
         return target.device.type == "cuda"
 
     def page_locks(self, device: torch.device) -> bool:
@@ -49,7 +48,7 @@ class DeviceLoads:
     def prepare(self, pool: BufferPool, device: torch.device) -> None:
         """Before the first copy to ``device`` out of ``pool``'s buffers: page-lock them (once per pool)."""
         if self.page_locks(device):
-            self.pinned = page_lock(pool)
+            page_lock(pool)
 
     def copy(self, region: memoryview, target: torch.Tensor) -> None:
         """Queue the copy of ``region`` (staging memory) into ``target`` (its bytes, flat, on a device)."""

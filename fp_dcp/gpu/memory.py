@@ -50,7 +50,7 @@ def page_lock(pool: BufferPool) -> bool:
         try:
             cudart.host_register(rt, address, len(view))
         except cudart.CudaError as e:
-            log_once(f"fp-dcp: host memory for GPU copies stays pageable (copies from the GPU are slower): {e}")
+            log_once(f"fp-dcp: host memory for GPU copies stays pageable (copies between GPU and host are slower): {e}")
             locked = False
             break
         addresses.append(address)
@@ -74,7 +74,8 @@ class HostArea:
     def __init__(self, nbytes: int, page_locked: bool) -> None:
         self.pool = BufferPool(align_up(max(nbytes, 1), PAGE), 1)
         self.view = self.pool.views[0]
-        self.pinned = page_lock(self.pool) if page_locked else False
+        if page_locked:
+            page_lock(self.pool)
         self.tensor = torch.frombuffer(self.view, dtype=torch.uint8)
 
     def close(self) -> None:
