@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ranks import spawn
 from scaling_bench import throttled_devices
 
+from fp_dcp.io.device import disk_of
+from fp_dcp.io.diskstats import DiskCounters
+
 MiB = 1 << 20
 
 
@@ -72,20 +75,12 @@ def load(rank: int, world: int, path: str, gb: float, reader: str) -> dict:
     }
 
 
-def device_of(path: str) -> str:
-    dev = os.stat(path).st_dev
-    return f"{os.major(dev)}:{os.minor(dev)}"
-
-
-def sectors_read(device: str) -> int:
-    """Sectors read so far from the block device ``major:minor`` (its whole disk if a partition)."""
-    major, minor = device.split(":")
-    with open("/proc/diskstats") as f:
-        for line in f:
-            fields = line.split()
-            if fields[0] == major and fields[1] == minor:
-                return int(fields[5])
-    raise RuntimeError(f"device {device} is not in /proc/diskstats")
+def disk_read(disk: str | None) -> int:
+    """Bytes read so far from ``disk`` (``fp_dcp.io.device.disk_of``)."""
+    counters = DiskCounters.read(disk)
+    if counters is None:
+        raise RuntimeError(f"the disk {disk} is not in /proc/diskstats")
+    return counters.sectors_read * 512
 
 
 def drop_caches() -> None:
@@ -117,14 +112,14 @@ def main() -> None:
         dcp.save(state(args.gb), storage_writer=FastPersistWriter(fp), no_dist=True)
         dcp.save(state(args.gb), storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
         size = sum(os.path.getsize(os.path.join(fp, n)) for n in os.listdir(fp))
-        device = device_of(base)
+        disk_name = disk_of(base)
         rows: dict[str, list[tuple[float, int, list[dict]]]] = {"shared": [], "unshared": [], "stock": []}
         for _ in range(args.rounds):
             for reader, path in (("shared", fp), ("unshared", fp), ("stock", stock)):
                 drop_caches()
-                before = sectors_read(device)
+                before = disk_read(disk_name)
                 results = spawn(4, load, path, args.gb, reader)
-                disk = (sectors_read(device) - before) * 512
+                disk = disk_read(disk_name) - before
                 assert all(r["ok"] for r in results), (reader, results)
                 rows[reader].append((max(r["seconds"] for r in results), disk, results))
         print(

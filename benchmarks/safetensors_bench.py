@@ -18,8 +18,9 @@ evicted (posix_fadvise DONTNEED, and drop_caches when root) before it.
   and ``safe_open`` with ``get_slice(name)[:]`` per tensor (its slicing API);
 - fio reading a file of the same size (``--rw=read --bs=8M --iodepth=32
   --direct=1 --ioengine=io_uring``) from buffers in huge pages
-  (``--iomem=shmhuge``, for which the script reserves huge pages as root and
-  gives them back; without them, fio's plain buffers, and the report says so).
+  (``--iomem=shmhuge``; ``fp_dcp.tools.fio`` reserves the huge pages as root
+  and gives them back; without them, fio's plain buffers, and the report
+  says why).
 
 4 ranks (``FP_DCP_NODE`` puts ranks 0-1 and 2-3 on two nodes), each with the
 model built on the meta device, sharded by ``fully_shard`` and materialized:
@@ -41,33 +42,32 @@ and 2x ``HuggingFaceStorageReader``; 4 ranks reading each byte once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed.checkpoint as dcp
-from load_sharing_bench import device_of, sectors_read
 from ranks import spawn
 from torch import nn
 
 from fp_dcp import FastPersistReader
-from fp_dcp.tools.bench import FIO_DEPTH, cpu_seconds, evict
+from fp_dcp.io.device import disk_of
+from fp_dcp.io.diskstats import DiskCounters
+from fp_dcp.tools.bench import cpu_seconds, evict
+from fp_dcp.tools.fio import Fio, reference
 
 GB = 1e9
 GiB = 1 << 30
-MiB = 1 << 20
 INDEX = "model.safetensors.index.json"
 
 
@@ -161,35 +161,11 @@ def one_rank_methods(directory: str, target: dict[str, torch.Tensor]) -> dict[st
     }
 
 
-@contextlib.contextmanager
-def huge_pages(nbytes: int) -> Iterator[bool]:
-    """``nbytes`` of huge pages reserved for fio's buffers (root), given back afterwards; whether they are there."""
-    knob = "/proc/sys/vm/nr_hugepages"
-    try:
-        with open(knob) as f:
-            before = int(f.read())
-        with open(knob, "w") as f:
-            f.write(str(before + -(-nbytes // (2 * MiB)) + 8))
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) for line in f if line.startswith("HugePages_Free"))
-    except (OSError, StopIteration, ValueError):
-        yield False
-        return
-    try:
-        yield free * 2 * MiB >= nbytes
-    finally:
-        with open(knob, "w") as f:
-            f.write(str(before))
-
-
-def fio_read(path: str, size: int, huge: bool) -> Callable[[], None]:
-    args = ["fio", "--name=limit", f"--filename={path}", f"--size={size}", "--bs=8M", f"--iodepth={FIO_DEPTH}"]
-    args += ["--direct=1", "--ioengine=io_uring", "--output-format=terse"]
-    subprocess.run([*args, "--rw=write", "--end_fsync=1"], check=True, capture_output=True)  # the file, untimed
-    read = [*args, "--rw=read"] + (["--iomem=shmhuge"] if huge else [])
+def fio_read(fio: Fio, path: str, size: int) -> Callable[[], None]:
+    fio.run(path, "write", size)  # the file, untimed
 
     def run() -> None:
-        subprocess.run(read, check=True, capture_output=True)
+        fio.run(path, "read", size)
 
     return run
 
@@ -208,10 +184,11 @@ def run_one_rank(directory: str, size: int, rounds: int, scratch: str) -> dict[s
     methods = one_rank_methods(directory, target)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     fio_file = os.path.join(scratch, "fio-file")
-    with huge_pages(8 * MiB * FIO_DEPTH) as huge:
-        fio_name = f"fio read depth {FIO_DEPTH}, " + ("huge-page buffers" if huge else "plain buffers (no huge pages)")
-        if shutil.which("fio"):
-            methods[fio_name] = fio_read(fio_file, size, huge)
+    with reference() as fio:  # huge pages, where reserved, are given back when the rounds end
+        fio_name = ""
+        if fio is not None:
+            fio_name = f"fio read depth {fio.depth}, {fio.buffers}"
+            methods[fio_name] = fio_read(fio, fio_file, size)
             results[fio_name] = []
         for r in range(rounds):
             for name, load in methods.items():
@@ -273,14 +250,14 @@ def load_fsdp2(rank: int, world: int, directory: str, shapes: dict, reader: str,
     for v in state.values():
         v.to_local().zero_()  # touched: the load measures the disk and the exchange, not page faults
     storage = FastPersistReader(directory) if reader == "fp-dcp" else HuggingFaceStorageReader(directory)
-    device = device_of(directory)
+    disk = disk_of(directory)
     dist.barrier()
-    before = disk_read(device)  # from here: every rank has started (imports read from the disk too)
+    before = disk_read(disk)  # from here: every rank has started (imports read from the disk too)
     start = time.perf_counter()
     dcp.load(state, storage_reader=storage)
     dist.barrier()
     seconds = time.perf_counter() - start
-    after = disk_read(device)
+    after = disk_read(disk)
     ok = True
     if check:
         from safetensors import safe_open
@@ -298,12 +275,10 @@ def load_fsdp2(rank: int, world: int, directory: str, shapes: dict, reader: str,
     return {"seconds": seconds, "ok": ok, "read": last.read_bytes if last else 0, "disk": disk}
 
 
-def disk_read(device: str) -> int | None:
-    """Bytes read so far from the block device, None where /proc/diskstats does not list it (tmpfs, overlay)."""
-    try:
-        return sectors_read(device) * 512
-    except RuntimeError:
-        return None
+def disk_read(disk: str | None) -> int | None:
+    """Bytes read so far from the disk, None where /proc/diskstats does not list it (tmpfs, overlay)."""
+    counters = DiskCounters.read(disk)
+    return counters.sectors_read * 512 if counters is not None else None
 
 
 def run_four_ranks(directory: str, shapes: dict, size: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
@@ -343,7 +318,7 @@ def main() -> None:
         size = write_checkpoint(model, shapes, args.shards)
         print(f"{size / GB:.2f} GB of bf16 in {args.shards} shards, {len(shapes)} tensors; {args.rounds} rounds")
         if os.geteuid() != 0:
-            print("not root: the page cache is evicted with posix_fadvise only (no drop_caches, no huge pages)")
+            print("not root: the page cache is evicted with posix_fadvise only (no drop_caches)")
         one = run_one_rank(model, size, args.rounds, work)
         four = run_four_ranks(model, shapes, size, args.rounds)
     finally:

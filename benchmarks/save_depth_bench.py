@@ -9,7 +9,10 @@ The workload of a user on a slow or high-latency disk: 86 layers, each a
 save, ``dcp.save(..., no_dist=True)``; ``os.sync()`` and (as root)
 ``drop_caches`` before each timed step. The disk's limit is fio writing a
 file of the same size in the same directory (``--bs=8M --iodepth=16
---ioengine=io_uring --direct=1 --end_fsync=1``), timed as a whole process.
+--ioengine=io_uring --direct=1 --end_fsync=1``) from buffers in huge pages
+(``fp_dcp.tools.fio``: reserved as root for the run and given back; where
+they cannot be had, fio's plain buffers, and the first line says why),
+timed as a whole process.
 The methods alternate, ``--rounds`` times, in one run.
 
 Per save it reports GB/s, CPU-seconds per GB (this process and its children,
@@ -29,7 +32,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -43,6 +45,7 @@ from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.files import fsync_path
 from fp_dcp.tools.bench import cpu_seconds
+from fp_dcp.tools.fio import Fio, reference
 
 GB = 1e9
 MiB = 1 << 20
@@ -105,41 +108,20 @@ def deepspeed_save() -> Callable[[dict, str], None] | None:
     return save
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--layers", type=int, default=86)
-    parser.add_argument("--fsw", action="store_true", help="add FileSystemWriter (thread_count=4)")
-    parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeed FastPersist")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    sd = state_dict(args.layers)
-    size = sum(t.nbytes for t in sd.values())
-    base = tempfile.mkdtemp(prefix="fp-dcp-depth-", dir=args.dir)
-    disk = disk_of(base)
+def fio_write(fio: Fio, size: int) -> Callable[[str], None]:
+    def run(path: str) -> None:
+        fio.run(path, "write", size)
 
-    def fp(path: str) -> None:
-        dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+    return run
 
-    def fio(path: str) -> None:
-        subprocess.run(
-            ["fio", "--name=limit", f"--filename={path}", "--rw=write", f"--size={size}", "--bs=8M",
-             "--iodepth=16", "--direct=1", "--ioengine=io_uring", "--end_fsync=1", "--output-format=terse"],
-            check=True, capture_output=True,
-        )  # fmt: skip
 
-    methods: dict[str, Callable[[str], None]] = {"fp-dcp": fp, "fio": fio}
-    if args.fsw:
-        methods["FileSystemWriter t=4"] = lambda path: dcp.save(
-            sd, storage_writer=dcp.FileSystemWriter(path, thread_count=4), no_dist=True
-        )
-    if args.deepspeed and (ds := deepspeed_save()) is not None:
-        methods["DeepSpeed FastPersist"] = lambda path: ds(sd, path)
+def run_rounds(
+    methods: dict[str, Callable[[str], None]], rounds: int, size: int, base: str, disk: str | None
+) -> dict[str, list[float]]:
+    """Every method's save, in turn, ``rounds`` times; GB/s of each, printed with the disk's view as they come."""
     gbps: dict[str, list[float]] = {name: [] for name in methods}
-    print(f"{size / GB:.2f} GB, {len(sd)} tensors, disk {disk}, {args.rounds} rounds", flush=True)
     try:
-        for r in range(args.rounds):
+        for r in range(rounds):
             for name, save in methods.items():
                 path = os.path.join(base, f"r{r}-{name.split()[0]}")
                 quiesce()
@@ -159,6 +141,38 @@ def main() -> None:
                 shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    return gbps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--layers", type=int, default=86)
+    parser.add_argument("--fsw", action="store_true", help="add FileSystemWriter (thread_count=4)")
+    parser.add_argument("--deepspeed", action="store_true", help="add DeepSpeed FastPersist")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    sd = state_dict(args.layers)
+    size = sum(t.nbytes for t in sd.values())
+
+    def fp(path: str) -> None:
+        dcp.save(sd, storage_writer=FastPersistWriter(path), no_dist=True)
+
+    with reference(depth=16) as limit:  # huge pages, where reserved, are given back when the rounds end
+        if limit is None:
+            raise SystemExit("fio is not installed (apt-get install fio): it is this benchmark's reference")
+        base = tempfile.mkdtemp(prefix="fp-dcp-depth-", dir=args.dir)  # removed by run_rounds
+        disk = disk_of(base)
+        methods: dict[str, Callable[[str], None]] = {"fp-dcp": fp, "fio": fio_write(limit, size)}
+        if args.fsw:
+            methods["FileSystemWriter t=4"] = lambda path: dcp.save(
+                sd, storage_writer=dcp.FileSystemWriter(path, thread_count=4), no_dist=True
+            )
+        if args.deepspeed and (ds := deepspeed_save()) is not None:
+            methods["DeepSpeed FastPersist"] = lambda path: ds(sd, path)
+        print(f"{size / GB:.2f} GB, {len(sd)} tensors, disk {disk}, {args.rounds} rounds, fio from {limit.buffers}")
+        gbps = run_rounds(methods, args.rounds, size, base, disk)
     medians = {name: statistics.median(v) for name, v in gbps.items()}
     print("medians: " + ", ".join(f"{n} {m:.3f} GB/s" for n, m in medians.items()))
     for name, m in medians.items():

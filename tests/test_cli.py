@@ -16,10 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import save
 
+from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.progress import progress_text
-from fp_dcp.tools import bench, plot
+from fp_dcp.tools import bench, fio, plot
 from fp_dcp.tools.cli import ProgressBar, build_parser, main
 from fp_dcp.tools.inspect import human
+from fp_dcp.units import MiB
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -208,15 +210,21 @@ def test_verbose_shows_the_log(both, tmp_path, capsys):
     assert "fp-dcp convert, reading " in err and re.search(r"[\d.]+ [KMG]?B/s", err)
 
 
-def fake_report() -> dict:
+HUGE = fio.Fio(huge_page=2 * MiB)
+
+
+def fake_report(limit: fio.Fio | None = HUGE) -> dict:
     """``bench.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
-    methods = bench.build_methods({}, 1, {}, [1, 2], "unused")
+    methods = bench.build_methods({}, 1, {}, [1, 2], "unused", limit)
     for i, m in enumerate(methods):
         m.save_gbps = [1.0 + i, 1.2 + i, 0.8 + i]
         m.cpu_per_gb = [0.5]
         m.peak_rss = [1 << 20]
-        m.load_gbps = [2.0 + i] if m.load is not None else []
-    return bench.report(methods, 10**9, os.getcwd())
+        m.in_flight, m.request_kib = [8.0 + i], [4096.0]
+        if m.load is not None:
+            m.load_gbps = [2.0 + i]
+            m.load_in_flight, m.load_request_kib = [20.0 + i], [1024.0 + i]
+    return bench.report(methods, 10**9, os.getcwd(), limit)
 
 
 def test_bench_plot_draws_the_medians(tmp_path, monkeypatch, capsys):
@@ -280,19 +288,65 @@ def test_human_sizes():
     assert [human(n) for n in sizes] == ["0 B", "1023 B", "1.0 KiB", "1.5 MiB", "3.0 GiB", "5120.0 GiB"]
 
 
-@pytest.mark.parametrize("fio", [True, False])
-def test_bench_measures_against_fio_when_it_is_installed(monkeypatch, fio):
-    monkeypatch.setattr(bench.shutil, "which", lambda name: f"/usr/bin/{name}" if fio else None)
-    r = fake_report()
+@pytest.mark.parametrize("limit", [HUGE, fio.Fio(why_plain="cannot reserve huge pages"), None])
+def test_bench_measures_against_fio_when_it_is_installed(limit, capsys):
+    r = fake_report(limit)
     methods = r["methods"]
-    assert (bench.FIO in methods) is fio
-    if fio:
-        fp, limit = methods["fp-dcp"], methods[bench.FIO]
-        assert r["ratios"]["save_vs_fio"] == pytest.approx(fp["save_gbps"] / limit["save_gbps"])
-        assert r["ratios"]["load_vs_fio"] == pytest.approx(fp["load_gbps"] / limit["load_gbps"])
+    if limit is not None:
+        name = "fio depth 32, " + ("huge pages" if limit.huge_page else "4 KiB pages")
+        assert r["fio"] == {"method": name, "buffers": limit.buffers, "huge_pages": bool(limit.huge_page)}
+        fp, fio_row = methods["fp-dcp"], methods[name]
+        assert r["ratios"]["save_vs_fio"] == pytest.approx(fp["save_gbps"] / fio_row["save_gbps"])
+        assert r["ratios"]["load_vs_fio"] == pytest.approx(fp["load_gbps"] / fio_row["load_gbps"])
         assert "save >= 0.85 x fio" in r["bars"] and "load >= 0.85 x fio" in r["bars"]
     else:
+        assert r["fio"] is None and not any(name.startswith("fio") for name in methods)
         assert r["ratios"]["save_vs_fio"] is None and "save >= 0.85 x dd" in r["bars"]
+    bench.print_report(r, 3)
+    out = capsys.readouterr().out
+    if limit is None:
+        assert "fio is not installed: dd is the only reference for the disk (apt-get install fio)" in out
+    elif limit.huge_page:
+        assert "x fio (fio from huge-page buffers: the disk's limit)" in out
+    else:  # the fio line says why its buffers are not in huge pages
+        assert "(fio from plain buffers (cannot reserve huge pages): below the disk's limit" in out
+
+
+def test_bench_prints_the_disks_requests_for_saves_and_loads(capsys):
+    r = fake_report()
+    fp = r["methods"]["fp-dcp"]
+    assert (fp["in_flight"], fp["request_kib"], fp["load_in_flight"], fp["load_request_kib"]) == (8, 4096, 20, 1024)
+    assert r["methods"]["dd oflag=direct"]["load_in_flight"] is None  # no load: no read figures
+    bench.print_report(r, 3)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("method"))
+    assert header.split()[-8:] == ["wr", "depth", "wr", "KiB", "rd", "depth", "rd", "KiB"]
+
+    def row(name: str) -> list[str]:
+        return next(line for line in lines if line.startswith(name.ljust(26))).split()
+
+    assert row("fp-dcp")[-4:] == ["8.0", "4096", "20.0", "1024"]
+    assert row("fio depth 32, huge pages")[-4:] == ["12.0", "4096", "24.0", "1028"]
+    assert row("dd oflag=direct")[-2:] == ["-", "-"]
+
+
+def test_bench_watches_the_disk_over_a_step(monkeypatch):
+    snapshots = iter(
+        [DiskCounters(10, 800, 100, 0, 1000), DiskCounters(10, 800, 110, 8192, 4000)]  # 10 reads of 4 MiB in all
+    )
+    monkeypatch.setattr(bench.DiskCounters, "read", classmethod(lambda cls, disk: next(snapshots)))
+    depth, kib, ran = [], [], []
+    seconds = bench._watched("vda", ran.append, "/ckpt", depth, kib, reads=True)
+    assert ran == ["/ckpt"] and kib == [409.6]
+    assert depth == [pytest.approx(3.0 / seconds)]  # 3000 request-milliseconds over the step
+
+
+def test_diskstats_tells_reads_from_writes():
+    before = DiskCounters(writes=5, sectors_written=1000, reads=2, sectors_read=16, weighted_ms=0)
+    after = DiskCounters(writes=15, sectors_written=9192, reads=6, sectors_read=2064, weighted_ms=6000)
+    assert after.since(before, 2.0) == (3.0, 8192 * 512 / 10 / 1024)
+    assert after.since(before, 2.0, reads=True) == (3.0, 2048 * 512 / 4 / 1024)
+    assert before.since(before, 1.0, reads=True) == (0.0, 0.0)  # no requests: no size
 
 
 def test_ls_lists_the_steps_of_a_run_and_exits_1_for_a_corrupt_one(tmp_path, capsys):
@@ -313,3 +367,89 @@ def test_ls_lists_the_steps_of_a_run_and_exits_1_for_a_corrupt_one(tmp_path, cap
     listed = {s["step"]: s for s in json.loads(capsys.readouterr().out)}
     assert listed[1]["status"] == "verified" and listed[3]["status"] == "corrupt"
     assert "checksum mismatch for 'w'" in listed[3]["problem"]
+
+
+# ---- fio, the disk's reference: huge pages reserved, and given back whatever happens
+
+
+@pytest.fixture
+def hugepage_knobs(tmp_path, monkeypatch):
+    """``nr_hugepages`` and ``/proc/meminfo`` as files of the test's: 0 pages reserved, none free."""
+    knob, meminfo = tmp_path / "nr_hugepages", tmp_path / "meminfo"
+    knob.write_text("0\n")
+    meminfo.write_text("MemTotal: 1000 kB\nHugePages_Free:        0\nHugepagesize:       2048 kB\n")
+    monkeypatch.setattr(fio, "NR_HUGEPAGES", str(knob))
+    monkeypatch.setattr(fio, "MEMINFO", str(meminfo))
+    return knob, meminfo
+
+
+def test_huge_pages_already_free_are_used_as_they_are(hugepage_knobs):
+    knob, meminfo = hugepage_knobs
+    meminfo.write_text(meminfo.read_text().replace("HugePages_Free:        0", "HugePages_Free:      200"))
+    with fio.huge_pages(64 * MiB) as (page, why):
+        assert (page, why) == (2 * MiB, "") and knob.read_text() == "0\n"
+
+
+def test_huge_pages_reserved_are_given_back_also_on_interrupt(hugepage_knobs):
+    knob, _ = hugepage_knobs
+    with pytest.raises(KeyboardInterrupt):
+        with fio.huge_pages(64 * MiB) as (page, why):
+            assert knob.read_text() == "34\n"  # 32 pages and fio's spare ones
+            # the fake kernel reserved none of them
+            assert page is None and why == "the kernel found 0 of the 34 huge pages asked for: memory too fragmented"
+            raise KeyboardInterrupt
+    assert knob.read_text() == "0\n"
+
+
+def test_huge_pages_refused_say_why(hugepage_knobs, monkeypatch):
+    knob, _ = hugepage_knobs
+
+    def refusing_open(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            raise PermissionError(13, "Permission denied", path)
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fio, "open", refusing_open, raising=False)
+    with fio.huge_pages(8 * MiB) as (page, why):
+        assert page is None
+        assert why.startswith(f"cannot reserve huge pages in {knob}") and why.endswith(": Permission denied")
+    assert knob.read_text() == "0\n"
+
+
+def test_no_huge_pages_in_the_kernel(hugepage_knobs):
+    _, meminfo = hugepage_knobs
+    meminfo.write_text("MemTotal: 1000 kB\n")
+    with fio.huge_pages(8 * MiB) as got:
+        assert got == (None, "this kernel has no huge pages")
+
+
+def test_fio_missing_is_said_not_an_error(monkeypatch):
+    monkeypatch.setattr(fio.shutil, "which", lambda name: None)
+    assert not fio.installed()
+    with fio.reference() as runner:
+        assert runner is None
+
+
+def test_fio_command_lines():
+    plain = fio.Fio(depth=4, block=MiB, why_plain="not root").args("/d/f", "write", 8 * MiB)
+    assert "--iomem=shmhuge" not in " ".join(plain) and "--end_fsync=1" in plain
+    assert {"--rw=write", "--size=8388608", "--bs=1048576", "--iodepth=4", "--direct=1"} <= set(plain)
+    huge = fio.Fio(huge_page=2 * MiB).args("/d/f", "read", 8 * MiB, runtime_s=1.5)
+    assert {"--iomem=shmhuge", f"--hugepage-size={2 * MiB}", "--runtime=1500ms", "--rw=read"} <= set(huge)
+    assert "--end_fsync=1" not in huge
+    assert fio.Fio(why_plain="not root").buffers == "plain buffers (not root)"
+    assert fio.Fio(huge_page=2 * MiB).label == "fio depth 32, huge pages"
+
+
+@pytest.mark.skipif(not fio.installed(), reason="fio is not installed (make installs it)")
+def test_fio_runs_from_huge_pages_where_it_can_and_gives_them_back(tmp_path):
+    knob = fio.NR_HUGEPAGES
+    before = open(knob).read() if os.path.exists(knob) else None
+    with fio.reference(depth=2, block=MiB) as runner:
+        assert runner is not None and (runner.huge_page is not None or runner.why_plain)
+        wrote = runner.run(str(tmp_path / "f"), "write", 4 * MiB)
+        read = runner.run(str(tmp_path / "f"), "read", 4 * MiB)
+        with pytest.raises(RuntimeError, match=r"fio read of .*f/x failed: .*Not a directory"):
+            runner.run(str(tmp_path / "f" / "x"), "read", MiB)  # under a regular file
+    assert wrote.bytes == read.bytes == 4 * MiB and wrote.gbps > 0 and read.gbps > 0
+    assert (open(knob).read() if before is not None else None) == before

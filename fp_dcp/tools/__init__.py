@@ -1,1 +1,4 @@
-"""The ``fp-dcp`` command's tools: inspect, verify, convert, bench, tune, plot; built on the public API."""
+"""The ``fp-dcp`` command's tools: inspect, verify, convert, bench, tune, plot; fio as the disk's reference.
+
+Built on the public API.
+"""

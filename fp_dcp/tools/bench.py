@@ -9,16 +9,20 @@ fp32 norms, scalars and a pickled object) with each method in turn, A B C A B C
 machine. The disk's limit is fio writing then reading a file of the same
 size in the same directory with O_DIRECT, 8 MiB requests and 32 in flight
 (io_uring), the write ending with an fsync, each timed as a whole process
-like the other methods; ``dd if=/dev/zero oflag=direct bs=16M conv=fsync``
-(one request at a time) is a second reference. Without fio (Debian package
-``fio``, which ``make`` installs) the dd line is the only one. Reported per method:
+like the other methods, its buffers in huge pages (``fp_dcp.tools.fio``:
+reserved for the run as root and given back; where they cannot be had, fio's
+plain buffers, and the report says why); ``dd if=/dev/zero oflag=direct
+bs=16M conv=fsync`` (one request at a time) is a second reference. Without
+fio (Debian package ``fio``, which ``make`` installs) the dd line is the only
+one. Reported per method:
 median GB/s, CPU-seconds per GB (user + system, all threads), the growth of
 resident memory during the save (over the state dict already held), and load
 GB/s with the checkpoint's pages evicted from the page
 cache first (posix_fadvise DONTNEED per file, plus drop_caches when root).
-Per save also the disk's own view (``fp_dcp.io.diskstats``): the write
-requests it had in flight on average and their average size, so a queue
-shallower than fio's is visible on any disk.
+Per save and per load also the disk's own view (``fp_dcp.io.diskstats``):
+the requests it had in flight on average and the average write (read)
+request, so a queue shallower than fio's, or smaller requests, is visible
+on any disk.
 """
 
 from __future__ import annotations
@@ -47,10 +51,9 @@ from ..io.device import disk_of
 from ..io.diskstats import DiskCounters
 from ..io.files import fsync_path
 from ..units import MiB
+from .fio import Fio, reference
 
 GB = 1e9
-FIO_DEPTH = 32
-FIO = f"fio depth {FIO_DEPTH}"
 DD = "dd oflag=direct"
 
 
@@ -157,21 +160,26 @@ class Method:
         save: Callable[[str], None],
         load: Callable[[str], None] | None,
         check: Callable[[], None] | None = None,
+        *,
+        child: bool = False,
     ) -> None:
         self.name = name
         self.save = save
         self.load = load
         self.check = check  # run after a load, untimed
+        self.child = child  # runs as a child process: its CPU time is the children's
         self.save_gbps: list[float] = []
         self.cpu_per_gb: list[float] = []
         self.peak_rss: list[int] = []
         self.load_gbps: list[float] = []
         self.in_flight: list[float] = []  # write requests the disk had in flight, on average over the save
         self.request_kib: list[float] = []  # average write request the disk saw
+        self.load_in_flight: list[float] = []  # the same for the load's read requests
+        self.load_request_kib: list[float] = []
 
 
 def build_methods(
-    sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str
+    sd: dict[str, Any], size: int, target: dict[str, Any], threads: list[int], workdir: str, fio: Fio | None
 ) -> list[Method]:
     writer = FastPersistWriter(workdir)  # reused across saves, as in a training loop
     reader = FastPersistReader(workdir)
@@ -202,17 +210,9 @@ def build_methods(
     def torch_load(path: str) -> None:
         torch.load(path, weights_only=False)
 
-    def fio(rw: str) -> Callable[[str], None]:
+    def fio_run(limit: Fio, rw: str) -> Callable[[str], None]:
         def run(path: str) -> None:
-            subprocess.run(
-                [
-                    "fio", "--name=limit", f"--filename={path}", f"--rw={rw}", f"--size={size}", "--bs=8M",
-                    f"--iodepth={FIO_DEPTH}", "--direct=1", "--ioengine=io_uring", "--end_fsync=1",
-                    "--output-format=terse",
-                ],
-                check=True,
-                capture_output=True,
-            )  # fmt: skip
+            limit.run(path, rw, size)
 
         return run
 
@@ -227,9 +227,9 @@ def build_methods(
     methods = [Method("fp-dcp", fp_save, fp_load, check=fp_check)]
     methods += [Method(f"FileSystemWriter t={n}", fs_save(n), fs_load if n == 1 else None) for n in threads]
     methods += [Method("torch.save", torch_save, torch_load)]
-    if shutil.which("fio"):
-        methods.append(Method(FIO, fio("write"), fio("read")))
-    methods.append(Method(DD, dd, None))
+    if fio is not None:
+        methods.append(Method(fio.label, fio_run(fio, "write"), fio_run(fio, "read"), child=True))
+    methods.append(Method(DD, dd, None, child=True))
     return methods
 
 
@@ -239,44 +239,62 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
     size = tensor_bytes(sd)
     target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
     workdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=directory)
-    methods = build_methods(sd, size, target, threads, workdir)
     rss = PeakRSS()
     disk = disk_of(workdir)
     try:
-        for rep in range(repeats):
-            for m in methods:
-                path = os.path.join(workdir, f"{rep}-{m.name.replace(' ', '_').replace('=', '')}")
-                who = resource.RUSAGE_CHILDREN if m.name in (DD, FIO) else resource.RUSAGE_SELF
-                before = DiskCounters.read(disk)
-                cpu0, t0 = cpu_seconds(who), time.perf_counter()
-                with rss.watch():
-                    m.save(path)
-                seconds, cpu = time.perf_counter() - t0, cpu_seconds(who) - cpu0
-                after = DiskCounters.read(disk)
-                if before is not None and after is not None:
-                    depth, kib = after.since(before, seconds)
-                    m.in_flight.append(depth)
-                    m.request_kib.append(kib)
-                m.save_gbps.append(size / seconds / GB)
-                m.cpu_per_gb.append(cpu / (size / GB))
-                m.peak_rss.append(rss.peak - rss.start)
-                if m.load is not None:
-                    evict(path)
-                    t0 = time.perf_counter()
-                    m.load(path)
-                    m.load_gbps.append(size / (time.perf_counter() - t0) / GB)
-                    if m.check is not None:
-                        m.check()
-                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-                print(
-                    f"  run {rep + 1}/{repeats} {m.name:<22} {m.save_gbps[-1]:6.2f} GB/s", file=sys.stderr, flush=True
-                )
+        with reference() as fio:  # huge pages, where reserved, are given back when the run ends
+            methods = build_methods(sd, size, target, threads, workdir, fio)
+            for rep in range(repeats):
+                for i, m in enumerate(methods):
+                    path = os.path.join(workdir, f"{rep}-{i}")
+                    who = resource.RUSAGE_CHILDREN if m.child else resource.RUSAGE_SELF
+                    cpu0 = cpu_seconds(who)
+                    with rss.watch():
+                        seconds = _watched(disk, m.save, path, m.in_flight, m.request_kib)
+                    m.save_gbps.append(size / seconds / GB)
+                    m.cpu_per_gb.append((cpu_seconds(who) - cpu0) / (size / GB))
+                    m.peak_rss.append(rss.peak - rss.start)
+                    if m.load is not None:
+                        evict(path)
+                        seconds = _watched(disk, m.load, path, m.load_in_flight, m.load_request_kib, reads=True)
+                        m.load_gbps.append(size / seconds / GB)
+                        if m.check is not None:
+                            m.check()
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                    print(
+                        f"  run {rep + 1}/{repeats} {m.name:<24} {m.save_gbps[-1]:6.2f} GB/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return report(methods, size, directory)
+    return report(methods, size, directory, fio)
 
 
-def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
+def _watched(
+    disk: str | None,
+    step: Callable[[str], None],
+    path: str,
+    in_flight: list[float],
+    kib: list[float],
+    *,
+    reads: bool = False,
+) -> float:
+    """Run ``step(path)`` and return its seconds; append the disk's requests in flight and their size (writes,
+    or ``reads``) over it, where ``/proc/diskstats`` has the disk."""
+    before = DiskCounters.read(disk)
+    start = time.perf_counter()
+    step(path)
+    seconds = time.perf_counter() - start
+    after = DiskCounters.read(disk)
+    if before is not None and after is not None:
+        depth, size = after.since(before, seconds, reads=reads)
+        in_flight.append(depth)
+        kib.append(size)
+    return seconds
+
+
+def report(methods: list[Method], size: int, directory: str, fio: Fio | None) -> dict[str, Any]:
     med = statistics.median
     rows = {
         m.name: {
@@ -286,13 +304,15 @@ def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
             "load_gbps": med(m.load_gbps) if m.load_gbps else None,
             "in_flight": med(m.in_flight) if m.in_flight else None,
             "request_kib": med(m.request_kib) if m.request_kib else None,
+            "load_in_flight": med(m.load_in_flight) if m.load_in_flight else None,
+            "load_request_kib": med(m.load_request_kib) if m.load_request_kib else None,
             "runs_save_gbps": m.save_gbps,
         }
         for m in methods
     }
     by_name = {m.name: m for m in methods}
     fp, dd, torch_save = by_name["fp-dcp"], by_name[DD], by_name["torch.save"]
-    fio = by_name.get(FIO)
+    limit = by_name[fio.label] if fio is not None else None
     stock = [m for m in methods if m.name.startswith("FileSystemWriter")]
     fs1 = stock[0]
     fs_best = max(stock, key=lambda m: med(m.save_gbps))
@@ -304,20 +324,20 @@ def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
         "cpu_vs_filesystemwriter_t1": med(fp.cpu_per_gb) / med(fs1.cpu_per_gb),
         "load_vs_filesystemreader": med(fp.load_gbps) / med(fs1.load_gbps),
         "peak_rss_growth_mib": max(fp.peak_rss) / MiB,
-        "save_vs_fio": med(fp.save_gbps) / med(fio.save_gbps) if fio else None,
-        "load_vs_fio": med(fp.load_gbps) / med(fio.load_gbps) if fio else None,
+        "save_vs_fio": med(fp.save_gbps) / med(limit.save_gbps) if limit else None,
+        "load_vs_fio": med(fp.load_gbps) / med(limit.load_gbps) if limit else None,
     }
     q = {k: v for k, v in ratios.items() if v is not None}
-    limit = "fio" if fio else "dd"
+    reference_name = "fio" if limit else "dd"
     bars = {
-        f"save >= 0.85 x {limit}": q[f"save_vs_{limit}"] >= 0.85,
+        f"save >= 0.85 x {reference_name}": q[f"save_vs_{reference_name}"] >= 0.85,
         "save >= 3.5 x FileSystemWriter t=1": q["save_vs_filesystemwriter_t1"] >= 3.5,
         "save >= 2 x FileSystemWriter best": q["save_vs_filesystemwriter_best"] >= 2,
         "CPU-s/GB <= 1/3 FileSystemWriter t=1": q["cpu_vs_filesystemwriter_t1"] <= 1 / 3,
         "peak RSS <= state + 512 MiB": q["peak_rss_growth_mib"] <= 512,
         "load >= 2 x FileSystemReader": q["load_vs_filesystemreader"] >= 2,
     }
-    if fio:
+    if limit:
         bars["load >= 0.85 x fio"] = q["load_vs_fio"] >= 0.85
     return {
         "state_dict_bytes": size,
@@ -325,6 +345,7 @@ def report(methods: list[Method], size: int, directory: str) -> dict[str, Any]:
         "cache_eviction": "posix_fadvise DONTNEED" + (" + drop_caches" if os.geteuid() == 0 else ""),
         "engine": engine_info(directory),
         "cpus": os.cpu_count(),
+        "fio": {"method": fio.label, "buffers": fio.buffers, "huge_pages": bool(fio.huge_page)} if fio else None,
         "methods": rows,
         "ratios": ratios,
         "bars": bars,
@@ -349,20 +370,30 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
     )
     print(f"loads read cold: {r['cache_eviction']}\n")
     print(
-        f"{'method':<24}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}"
-        f"{'in flight':>11}{'req KiB':>9}"
+        f"{'method':<26}{'save GB/s':>10}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'load GB/s':>11}"
+        f"{'wr depth':>10}{'wr KiB':>8}{'rd depth':>10}{'rd KiB':>8}"
     )
+
+    def cell(value: float | None, spec: str) -> str:
+        return format(value, spec) if value is not None else "-"
+
     for name, row in r["methods"].items():
-        load = f"{row['load_gbps']:.2f}" if row["load_gbps"] is not None else "-"
-        depth = f"{row['in_flight']:.1f}" if row["in_flight"] is not None else "-"
-        kib = f"{row['request_kib']:.0f}" if row["request_kib"] is not None else "-"
+        disk = (
+            f"{cell(row['in_flight'], '.1f'):>10}{cell(row['request_kib'], '.0f'):>8}"
+            f"{cell(row['load_in_flight'], '.1f'):>10}{cell(row['load_request_kib'], '.0f'):>8}"
+        )
         print(
-            f"{name:<24}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}"
-            f"{load:>11}{depth:>11}{kib:>9}"
+            f"{name:<26}{row['save_gbps']:>10.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}"
+            f"{cell(row['load_gbps'], '.2f'):>11}{disk}"
         )
     q = r["ratios"]
-    if q["save_vs_fio"] is not None:
-        print(f"\nfp-dcp save = {q['save_vs_fio']:.2f} x fio, load = {q['load_vs_fio']:.2f} x fio (the disk's limit)")
+    if r["fio"] is not None:
+        fio = r["fio"]
+        limit = "the disk's limit" if fio["huge_pages"] else "below the disk's limit where 4 KiB pages cap requests"
+        print(
+            f"\nfp-dcp save = {q['save_vs_fio']:.2f} x fio, load = {q['load_vs_fio']:.2f} x fio "
+            f"(fio from {fio['buffers']}: {limit})"
+        )
     else:
         print("\nfio is not installed: dd is the only reference for the disk (apt-get install fio)")
     print(
@@ -375,8 +406,9 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB"
     )
     print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds;")
-    print(" in flight, req KiB: write requests the disk had queued on average during the save, and their average size,")
-    print(" from /proc/diskstats: a shallow queue or small requests where fio keeps the disk busier is lost speed)")
+    print(" wr depth, wr KiB: write requests the disk had queued on average during the save, and their average size;")
+    print(" rd depth, rd KiB: the same for the load's reads; from /proc/diskstats: a shallow queue or small requests")
+    print(" where fio keeps the disk busier is lost speed)")
     for bar, ok in r["bars"].items():
         print(f"  [{'ok' if ok else 'MISSED'}] {bar}")
 

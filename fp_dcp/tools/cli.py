@@ -5,7 +5,7 @@
     fp-dcp ls ROOT [--verify]                the steps of a run (CheckpointManager's root)
     fp-dcp convert SRC DST --to FORMAT       fp-dcp / stock DCP / torch.save / safetensors
     fp-dcp bench [--plot out.png]            the benchmark (fp-dcp bench)
-    fp-dcp tune DIR                          the best I/O settings for a directory, in a minute
+    fp-dcp tune DIR                          the best save and load settings for a directory, in a minute
 
 Exit status: 0 on success (for ``verify``: everything intact), 1 when the
 checkpoint is damaged or the command failed (the message says why), 2 for
@@ -34,7 +34,7 @@ from ..units import MiB
 from . import bench
 from .convert import FORMATS, convert
 from .inspect import human, inspect_checkpoint, plural, print_inspect
-from .tune import AxisResult, tune
+from .tune import AxisResult, DiskLimit, tune
 
 __all__ = ["ProgressBar", "build_parser", "main"]
 
@@ -156,7 +156,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _format_value(axis: str, value: int | bool | None) -> str:
-    if axis == "direct_writes":
+    if axis in ("direct_writes", "direct_reads"):
         return "auto" if value is None else "in-place" if value else "copy"
     assert isinstance(value, int)  # every other axis is a count or a size
     return f"{value >> 20}M" if axis.endswith("_size") else str(value)
@@ -168,15 +168,24 @@ def _print_axis(result: AxisResult) -> None:
         mark = "*" if value == result.chosen else " "
         cells.append(f"{_format_value(result.axis, value)}:{result.median(value):5.2f}{mark}")
     rounds = len(next(iter(result.runs.values())))
-    print(f"  {result.axis:<14} {'  '.join(cells)}  GB/s, median of {rounds}", flush=True)
+    print(f"  {result.side} {result.axis:<14} {'  '.join(cells)}  GB/s, median of {rounds}", flush=True)
+
+
+def _fio_line(fio: DiskLimit) -> str:
+    runs = [f"{rw} {gbps:.2f} GB/s" for rw, gbps in (("write", fio.write_gbps), ("read", fio.read_gbps)) if gbps]
+    return f"  fio (the disk's limit): {', '.join(runs) + ', ' if runs else ''}{fio.note}"
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     size = int(args.size_mb * MiB)
-    print(f"fp-dcp tune: saving a {human(size)} state dict in {args.dir} for up to {args.budget:.0f} s", flush=True)
+    print(
+        f"fp-dcp tune: saving and loading a {human(size)} state dict in {args.dir} for up to {args.budget:.0f} s",
+        flush=True,
+    )
     print(
         "  (* = chosen: faster than the current value by more than "
-        f"{args.min_gain:.0f} % in every round, else the current value stays)",
+        f"{args.min_gain:.0f} % in every round, else the current value stays;\n"
+        "   loads are cold: the checkpoint is evicted from the page cache before each)",
         flush=True,
     )
     result = tune(
@@ -187,16 +196,24 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         min_gain=args.min_gain / 100,
         on_axis=_print_axis,
     )
+    print(_fio_line(result.fio))
     engine = result.engine
     print(
         f"engine: {engine['engine']}, O_DIRECT: {engine.get('direct_io')}, alignment {engine.get('alignment')}; "
         f"{result.seconds:.0f} s"
     )
-    if result.untried:
-        print(f"not tried (out of time): {', '.join(result.untried)}; raise --budget or lower --size-mb")
-    lanes = f", lanes_per_dir={result.best.lanes_per_dir}" if result.best.lanes_per_dir != 1 else ""
-    print(f"best: {result.config_line()}{lanes}" + ("  (the defaults)" if result.best == result.baseline else ""))
+    untried = [
+        f"{side} {name}" for side, sweep in (("save", result.save), ("load", result.load)) for name in sweep.untried
+    ]
+    if untried:
+        print(f"not tried (out of time): {', '.join(untried)}; raise --budget or lower --size-mb")
+    for side, sweep in (("save", result.save), ("load", result.load)):
+        lanes = f", lanes_per_dir={sweep.best.lanes_per_dir}" if sweep.best.lanes_per_dir != 1 else ""
+        same = "  (the defaults)" if sweep.best == sweep.baseline else ""
+        print(f"best {side}: {sweep.config_line()}{lanes}{same}")
+    print("IOConfig is shared by FastPersistWriter and FastPersistReader: give each its own to use both:")
     print(f"paste: writer = {result.writer_line()}")
+    print(f"paste: reader = {result.reader_line()}")
     return 0
 
 
@@ -292,10 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "tune",
         parents=[common],
-        help="find the best I/O settings for a directory",
-        description="Save a synthetic state dict into DIR again and again, sweeping direct_writes, queue_depth, "
-        "block_size, lanes_per_dir and buffer_size one at a time, and print the best IOConfig to paste. "
-        "Bounded by --budget.",
+        help="find the best save and load settings for a directory",
+        description="Measure the disk's limit with fio (from huge-page buffers), then save a synthetic state dict "
+        "into DIR again and again, sweeping direct_writes, queue_depth, block_size, lanes_per_dir and buffer_size "
+        "one at a time, then load it cold again and again, sweeping direct_reads, queue_depth, block_size, "
+        "buffer_size and num_buffers; print the best writer and reader settings to paste. Bounded by --budget.",
     )
     p.add_argument("dir", help="directory on the disk checkpoints will be written to (created if missing)")
     p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole sweep (default 60)")
