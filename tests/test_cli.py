@@ -298,7 +298,7 @@ def test_bench_measures_against_fio_when_it_is_installed(limit, capsys):
         fp, fio_row = methods["fp-dcp"], methods[name]
         assert r["ratios"]["save_vs_fio"] == pytest.approx(fp["save_gbps"] / fio_row["save_gbps"])
         assert r["ratios"]["load_vs_fio"] == pytest.approx(fp["load_gbps"] / fio_row["load_gbps"])
-        assert "save >= 0.85 x fio" in r["bars"] and "load >= 0.85 x fio" in r["bars"]
+        assert "save >= 1.0 x fio" in r["bars"] and "load >= 0.95 x fio" in r["bars"]
     else:
         assert r["fio"] is None and not any(name.startswith("fio") for name in methods)
         assert r["ratios"]["save_vs_fio"] is None and "save >= 0.85 x dd" in r["bars"]

@@ -328,9 +328,10 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         "load_vs_fio": med(fp.load_gbps) / med(limit.load_gbps) if limit else None,
     }
     q = {k: v for k, v in ratios.items() if v is not None}
-    reference_name = "fio" if limit else "dd"
+    # fio from huge-page buffers is the disk's limit; dd, one request at a time, only a floor
+    reference_name, save_bar = ("fio", 1.0) if limit else ("dd", 0.85)
     bars = {
-        f"save >= 0.85 x {reference_name}": q[f"save_vs_{reference_name}"] >= 0.85,
+        f"save >= {save_bar} x {reference_name}": q[f"save_vs_{reference_name}"] >= save_bar,
         "save >= 3.5 x FileSystemWriter t=1": q["save_vs_filesystemwriter_t1"] >= 3.5,
         "save >= 2 x FileSystemWriter best": q["save_vs_filesystemwriter_best"] >= 2,
         "CPU-s/GB <= 1/3 FileSystemWriter t=1": q["cpu_vs_filesystemwriter_t1"] <= 1 / 3,
@@ -338,7 +339,7 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         "load >= 2 x FileSystemReader": q["load_vs_filesystemreader"] >= 2,
     }
     if limit:
-        bars["load >= 0.85 x fio"] = q["load_vs_fio"] >= 0.85
+        bars["load >= 0.95 x fio"] = q["load_vs_fio"] >= 0.95
     return {
         "state_dict_bytes": size,
         "directory_fs": _filesystem(directory),
