@@ -111,19 +111,19 @@ class Gpu:
 
     def writer(self, *args: Any, **kwargs: Any) -> FastPersistWriter:
         """A writer whose staging takes this route (the same as any writer's on CUDA)."""
-        if self.double is None:
-            return FastPersistWriter(*args, **kwargs)
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)
-            return FastPersistWriter(*args, **kwargs)
+        return self._routed(FastPersistWriter, fp_dcp.save.resources, "Staging", CpuAsDevice, args, kwargs)
 
     def reader(self, *args: Any, **kwargs: Any) -> FastPersistReader:
         """A reader whose device loads take this route (the same as any reader's on CUDA)."""
+        return self._routed(FastPersistReader, fp_dcp.load.reader, "DeviceLoads", CpuTargetsAsDevice, args, kwargs)
+
+    def _routed(self, make: Any, module: Any, name: str, route: type, args: Any, kwargs: Any) -> Any:
+        """``make(*args, **kwargs)``, built with ``route`` in place of ``module.name`` on the CPU route."""
         if self.double is None:
-            return FastPersistReader(*args, **kwargs)
+            return make(*args, **kwargs)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(fp_dcp.load.reader, "DeviceLoads", CpuTargetsAsDevice)
-            return FastPersistReader(*args, **kwargs)
+            m.setattr(module, name, route)
+            return make(*args, **kwargs)
 
     def page_locked(self, view: memoryview) -> bool:
         if self.double is not None:

@@ -75,16 +75,17 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize(
-    ("direct_writes", "caps", "huge", "staged"),
-    [
-        (True, True, True, False),
-        (False, False, False, True),
-        (None, True, True, True),  # auto: the disk takes larger requests than 4 KiB pages fill
-        (None, False, True, False),  # auto: it does not
-        (None, True, False, False),  # auto: no huge pages to fill them from
-    ],
-)
+# (setting, disk's requests capped by scattered memory, huge pages enabled, every byte staged)
+IN_PLACE_OR_STAGED = [
+    (True, True, True, False),
+    (False, False, False, True),
+    (None, True, True, True),  # auto: the disk takes larger requests than 4 KiB pages fill
+    (None, False, True, False),  # auto: it does not
+    (None, True, False, False),  # auto: no huge pages to fill them from
+]
+
+
+@pytest.mark.parametrize(("direct_writes", "caps", "huge", "staged"), IN_PLACE_OR_STAGED)
 def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes, caps, huge, staged):
     """Where the disk's requests from 4 KiB pages are capped and huge pages can do better (auto), or
     when told, every byte goes through the staging buffers; else large items are written in place."""
@@ -100,16 +101,7 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
     assert (not from_tensors) if staged else from_tensors, (direct_writes, len(requests), len(from_tensors))
 
 
-@pytest.mark.parametrize(
-    ("direct_reads", "caps", "huge", "staged"),
-    [
-        (True, True, True, False),
-        (False, False, False, True),
-        (None, True, True, True),  # auto: the disk takes larger requests than 4 KiB pages fill
-        (None, False, True, False),  # auto: it does not
-        (None, True, False, False),  # auto: no huge pages to fill them from
-    ],
-)
+@pytest.mark.parametrize(("direct_reads", "caps", "huge", "staged"), IN_PLACE_OR_STAGED)
 def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_reads, caps, huge, staged):
     """Loads decide as saves do: through the staging buffers (then copied into place, checksummed in the same
     pass) where huge pages get the disk larger requests, else large items read straight into the targets."""
