@@ -6,7 +6,10 @@ checksum is verified, where the catalogue has one), a slice along the first
 dimensions is one shorter run, other boxes are one run per contiguous row segment; holes between runs are
 read through rather than split while that adds at most 5% to the bytes read. Runs go
 straight into the target tensor where its memory and the file offset are
-co-aligned, else through staging buffers, several extents in flight. Targets
+co-aligned and ``IOConfig.direct_reads`` allows, else through staging
+buffers (copied into place with their checksum in one pass), several
+extents in flight; GPU targets always through the staging buffers, then
+host-to-device on a side stream (``fp_dcp.gpu.loading``). Targets
 are resolved lazily, just before their first bytes are read, and committed
 as soon as their last bytes are in.
 """
@@ -198,7 +201,8 @@ def _pieces(
         memory = _sink_memory(item) if into_targets and _sink_device(item) is None else None
         at = 0
         for start, length in item.runs:
-            yield Piece(item.location.offset + start, length, item, at, memory[at : at + length] if memory else None)
+            run = memory[at : at + length] if memory is not None else None
+            yield Piece(item.location.offset + start, length, item, at, run)
             at += length
 
 
