@@ -157,10 +157,10 @@ def fill_from_bytes(
     if catalog.checksums and (crc := _cio.crc32c(data)) != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
     _prepare(item, planner, catalog, False, uploads, pool)
+    device = _sink_device(item)
     at = 0
     for start, length in item.runs:
         region = data[start : start + length]
-        device = _sink_device(item)
         if device is not None:  # received memory is pageable: a synchronous copy
             device[at : at + length].copy_(torch.frombuffer(region, dtype=torch.uint8))
         else:
