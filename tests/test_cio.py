@@ -54,6 +54,21 @@ def test_crc32c_lanes_match_reference():
     assert _cio.crc32c(memoryview(data)[5:]) == crc32c_reference(data[5:])
 
 
+@pytest.mark.parametrize("cut", [0, 1, 8191, 4 << 20])
+def test_crc32c_combine_joins_pieces_checksummed_apart(cut):
+    data = os.urandom((4 << 20) + 4099)
+    a, b = data[:cut], data[cut:]
+    assert _cio.crc32c_combine(_cio.crc32c(a), _cio.crc32c(b), len(b)) == _cio.crc32c(data)
+    assert _cio.crc32c_combine(_cio.crc32c(data), 0, 0) == _cio.crc32c(data)
+    small = b"123456789"
+    assert _cio.crc32c_combine(crc32c_reference(small[:4]), crc32c_reference(small[4:]), 5) == 0xE3069283
+
+
+def test_crc32c_combine_refuses_values_beyond_32_bits():
+    with pytest.raises(ValueError, match="32 bits"):
+        _cio.crc32c_combine(1 << 32, 0, 1)
+
+
 def test_copy_crc32c_copies_and_checksums():
     src = os.urandom(1_000_001)
     dst = bytearray(len(src))
