@@ -14,15 +14,15 @@ test: lint
 	FP_DCP_WERROR=1 $(PY) -m pytest -q
 
 # Debian packages: liburing-dev for the io_uring engine, libxxhash-dev for incremental saves' content hash
-# (xxhash's xxhsum is the tests' reference for it), strace for the durability-order test, fio for the
-# benchmark's disk limit.
+# (xxhash's xxhsum is the tests' reference for it), libisal-dev for the fastest CRC-32C, strace for the
+# durability-order test, fio for the benchmark's disk limit.
 system-deps:
-	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/xxhash.h ] || ! command -v xxhsum >/dev/null \
-	    || ! command -v strace >/dev/null || ! command -v fio >/dev/null; then \
+	@if [ ! -f /usr/include/liburing.h ] || [ ! -f /usr/include/xxhash.h ] || [ ! -f /usr/include/isa-l/crc.h ] \
+	    || ! command -v xxhsum >/dev/null || ! command -v strace >/dev/null || ! command -v fio >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libxxhash-dev xxhash strace fio >/dev/null; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev libxxhash-dev libisal-dev xxhash strace fio >/dev/null; \
 	  else \
-	    echo "warning: liburing-dev/libxxhash-dev/xxhash/strace/fio missing and not root: building without io_uring or incremental saves" >&2; \
+	    echo "warning: liburing-dev/libxxhash-dev/libisal-dev/xxhash/strace/fio missing and not root: building without io_uring, incremental saves or ISA-L" >&2; \
 	  fi; \
 	fi
 

@@ -7,12 +7,15 @@
  *   is reaped, so memory under an in-flight request can never be freed. It
  *   never retries, splits or interprets results: completions carry the raw
  *   result (bytes or -errno) and the policy lives in Python.
- * - crc32c / copy_crc32c: CRC-32C (Castagnoli) with the SSE4.2 instruction
- *   (three interleaved streams) and a table fallback, GIL released; given a
- *   Hash128, they feed it the same bytes in the same pass.
+ * - crc32c / copy_crc32c: CRC-32C (Castagnoli) through ISA-L's folding kernels
+ *   (PCLMULQDQ/VPCLMULQDQ) where built with libisal, else the SSE4.2
+ *   instruction (three interleaved streams), else tables; GIL released; given
+ *   a Hash128, they feed it the same bytes in the same pass. crc32c_combine
+ *   joins the CRCs of pieces checksummed apart.
  * - Hash128: a running XXH3-128 (libxxhash), the content hash incremental
  *   saves compare items by. Absent when built without libxxhash.
- * - dio_alignment / fallocate / address: small system helpers.
+ * - dio_alignment / fallocate / address: small system helpers; populate and
+ *   advise_huge prepare memory a load is about to fill.
  *
  * Every libc/liburing return code is checked; errors become OSError.
  */
@@ -33,6 +36,13 @@
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #endif
+
+#ifdef FP_DCP_HAVE_ISAL
+#include <isa-l/crc.h>
+#endif
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #ifdef FP_DCP_HAVE_XXHASH
 #include <xxhash.h>
@@ -91,6 +101,7 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
 
 static uint32_t (*crc_raw)(uint32_t, const uint8_t *, size_t) = crc_sw;
 static int crc_hardware = 0;
+static const char *crc_engine = "tables";
 
 #if defined(__x86_64__)
 /*
@@ -171,6 +182,7 @@ static void crc_hw_init(void)
         }
     crc_raw = crc_hw;
     crc_hardware = 1;
+    crc_engine = "sse4.2";
 }
 #endif
 
@@ -216,6 +228,16 @@ static uint32_t crc_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
     return crc_multmodp(crc_x8n(len2), crc1) ^ crc2;
 }
 
+#ifdef FP_DCP_HAVE_ISAL
+/* ISA-L folds 64-byte blocks with carry-less multiplies, picking the widest unit at run time. Its
+ * crc32_iscsi takes and returns the raw register, as crc_raw does; its length is an int, and copy_crc_hash
+ * never passes more than COPY_STEP. */
+static uint32_t crc_isal(uint32_t crc, const uint8_t *p, size_t n)
+{
+    return crc32_iscsi((unsigned char *)p, (int)n, crc);
+}
+#endif
+
 static void crc_init(void)
 {
     crc_sw_init();
@@ -224,6 +246,11 @@ static void crc_init(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2"))
         crc_hw_init();
+#endif
+#ifdef FP_DCP_HAVE_ISAL
+    crc_raw = crc_isal;
+    crc_hardware = 1;
+    crc_engine = "isa-l";
 #endif
 }
 
@@ -540,6 +567,115 @@ static PyObject *py_address(PyObject *self, PyObject *arg)
     PyObject *r = PyLong_FromVoidPtr(view.buf);
     PyBuffer_Release(&view);
     return r;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+#define HUGE_PAGE (2u << 20)
+
+/* The pages holding a buffer: its start rounded down and its end up to the page size. */
+static int page_span(Py_buffer *view, uintptr_t *start, size_t *length)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)view->buf & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)view->buf + (uintptr_t)view->len + page - 1) & ~(page - 1);
+    *start = lo;
+    *length = hi - lo;
+    return view->len > 0;
+}
+
+PyDoc_STRVAR(populate_doc,
+             "populate(buffer, /) -> None\n\n"
+             "Fault in every page of a writable buffer, writable, without changing a byte "
+             "(madvise MADV_POPULATE_WRITE, Linux 5.14), GIL released. Raises OSError: EINVAL "
+             "where the kernel is older.");
+
+static PyObject *py_populate(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    uintptr_t start;
+    size_t length;
+    int rc = 0;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (page_span(&view, &start, &length)) {
+        Py_BEGIN_ALLOW_THREADS rc = madvise((void *)start, length, MADV_POPULATE_WRITE);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(advise_huge_doc,
+             "advise_huge(buffer, /) -> [(offset, length), ...]\n\n"
+             "Ask for transparent huge pages (madvise MADV_HUGEPAGE) on the 2 MiB-aligned "
+             "blocks of a writable buffer that hold no page yet (mincore), so that their first "
+             "touch maps 2 MiB at a time; blocks already touched are left alone. Returns the "
+             "runs advised, as offsets into the buffer: none where the kernel has no huge pages.");
+
+/* Advise [start, end) and append it to runs as offsets from base; 0, or -1 with an exception set. */
+static int advise_run(PyObject *runs, uintptr_t base, uintptr_t start, uintptr_t end)
+{
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = madvise((void *)start, end - start, MADV_HUGEPAGE);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return 0; /* EINVAL: no transparent huge pages in this kernel; the memory is as it was */
+    PyObject *run = Py_BuildValue("(nn)", (Py_ssize_t)(start - base), (Py_ssize_t)(end - start));
+    if (!run)
+        return -1;
+    rc = PyList_Append(runs, run);
+    Py_DECREF(run);
+    return rc;
+}
+
+static PyObject *py_advise_huge(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *runs = PyList_New(0);
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), base = (uintptr_t)view.buf;
+    uintptr_t lo = (base + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+    uintptr_t hi = (base + (uintptr_t)view.len) & ~(uintptr_t)(HUGE_PAGE - 1);
+    unsigned char *resident = NULL;
+    if (!runs || hi <= lo)
+        goto done;
+    if (!(resident = PyMem_RawMalloc((hi - lo) / page))) {
+        Py_CLEAR(runs);
+        PyErr_NoMemory();
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = mincore((void *)lo, hi - lo, resident);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) /* part of the range unmapped: cannot be, for a live buffer; then advise nothing */
+        goto done;
+    size_t per_block = HUGE_PAGE / page;
+    uintptr_t run = 0; /* start of the current run of untouched blocks; 0: none */
+    for (uintptr_t block = lo; block <= hi; block += HUGE_PAGE) {
+        int untouched = block < hi;
+        for (size_t i = 0; untouched && i < per_block; i++)
+            untouched = !(resident[(block - lo) / page + i] & 1);
+        if (untouched && !run)
+            run = block;
+        else if (!untouched && run) {
+            if (advise_run(runs, base, run, block) < 0) {
+                Py_CLEAR(runs);
+                break;
+            }
+            run = 0;
+        }
+    }
+done:
+    PyMem_RawFree(resident);
+    PyBuffer_Release(&view);
+    return runs;
 }
 
 /* -------------------------------------------------------------------- Ring */
@@ -959,6 +1095,8 @@ static PyMethodDef module_methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
     {"copy_crc32c", py_copy_crc32c, METH_VARARGS, copy_crc32c_doc},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, crc32c_combine_doc},
+    {"populate", py_populate, METH_O, populate_doc},
+    {"advise_huge", py_advise_huge, METH_O, advise_huge_doc},
     {"dio_alignment", py_dio_alignment, METH_VARARGS, dio_alignment_doc},
     {"fallocate", py_fallocate, METH_VARARGS, fallocate_doc},
     {"address", py_address, METH_O, address_doc},
@@ -984,7 +1122,8 @@ PyMODINIT_FUNC PyInit__cio(void)
     if (PyModule_AddObjectRef(m, "HAVE_IO_URING", Py_False) < 0)
         goto fail;
 #endif
-    if (PyModule_AddObjectRef(m, "CRC32C_HARDWARE", crc_hardware ? Py_True : Py_False) < 0)
+    if (PyModule_AddObjectRef(m, "CRC32C_HARDWARE", crc_hardware ? Py_True : Py_False) < 0 ||
+        PyModule_AddStringConstant(m, "CRC32C_ENGINE", crc_engine) < 0)
         goto fail;
 #ifdef FP_DCP_HAVE_XXHASH
     if (PyType_Ready(&HashType) < 0 || PyModule_AddObjectRef(m, "Hash128", (PyObject *)&HashType) < 0)

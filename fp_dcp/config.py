@@ -5,7 +5,7 @@ storage alike; ``docs/tuning.md`` explains each one's effect. Two of them can
 also be forced from the environment, so a job can change engine without a
 code change (and tests can exercise every path):
 
-- ``FP_DCP_ENGINE``: ``auto`` | ``io_uring`` | ``threads``
+- ``FP_DCP_ENGINE``: ``auto`` | ``io_uring`` | ``threads`` | ``null``
 - ``FP_DCP_DIRECT_IO``: ``auto`` | ``1`` | ``0``
 
 An explicit argument wins over the environment.
@@ -21,13 +21,16 @@ from .units import PAGE, MiB
 
 __all__ = ["IOConfig"]
 
-EngineChoice = Literal["auto", "io_uring", "threads"]
+_MAX_AUTO_THREADS = 8  # beyond this a rank's copies and checksums outrun its memory bandwidth share
+
+EngineChoice = Literal["auto", "io_uring", "threads", "null"]
+_ENGINES = ("auto", "io_uring", "threads", "null")
 
 
 def _env_engine() -> EngineChoice:
     value = os.environ.get("FP_DCP_ENGINE", "auto").strip().lower() or "auto"
-    if value not in ("auto", "io_uring", "threads"):
-        raise ValueError(f"FP_DCP_ENGINE must be auto, io_uring or threads, not {value!r}")
+    if value not in _ENGINES:
+        raise ValueError(f"FP_DCP_ENGINE must be auto, io_uring, threads or null, not {value!r}")
     return value  # type: ignore[return-value]
 
 
@@ -48,7 +51,10 @@ class IOConfig:
             ``"threads"`` (positional reads/writes from a small thread pool), or
             ``"auto"``: io_uring when the kernel and the build allow it, else
             threads. A forced engine that cannot run is an error, never a
-            silent fallback. Default from ``FP_DCP_ENGINE``, else ``"auto"``.
+            silent fallback. ``"null"`` is for benchmarks only: writes complete
+            at once and store nothing, and such a save publishes no
+            checkpoint (it measures the pipeline without a device in the
+            way). Default from ``FP_DCP_ENGINE``, else ``"auto"``.
         direct_io: ``True`` opens files with O_DIRECT (bypassing the page
             cache: no double copy, no cache pollution), ``False`` uses the page
             cache and fsync, ``None`` (auto) tries O_DIRECT and falls back per
@@ -97,6 +103,21 @@ class IOConfig:
             staging buffer are gathered on the GPU (``cuda/gather.cu``) and
             copied to the host together, instead of one copy each; 0 copies
             every part on its own.
+        host_threads: threads that copy and checksum large byte ranges
+            together (the calling one among them), and that fault load
+            targets in ahead of the reads. None (auto): the CPUs this process
+            may run on, divided among the ranks of its node
+            (``LOCAL_WORLD_SIZE``), at most 8; 1 does all of it in the calling
+            thread.
+        prepare_targets: before a load fills host memory (CPU targets, or
+            host copies of targets it cannot fill in place), ask the kernel
+            for huge pages on its untouched 2 MiB-aligned blocks and fault its
+            pages in from ``host_threads`` helper threads, ahead of the reads
+            (``fp_dcp.io.prefault``); reads then never wait on a page fault,
+            and on disks whose requests scattered memory caps
+            (``direct_reads`` auto) the huge-page parts are read in place at
+            full request size instead of through the staging buffers. No byte
+            changes; False leaves the targets' memory as it is.
     """
 
     engine: EngineChoice = field(default_factory=_env_engine)
@@ -111,10 +132,12 @@ class IOConfig:
     direct_reads: bool | None = None
     staging_chunk: int = 8 * MiB
     gather_max: int = 256 * 1024
+    host_threads: int | None = None
+    prepare_targets: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ("auto", "io_uring", "threads"):
-            raise ValueError(f"engine must be 'auto', 'io_uring' or 'threads', not {self.engine!r}")
+        if self.engine not in _ENGINES:
+            raise ValueError(f"engine must be 'auto', 'io_uring', 'threads' or 'null', not {self.engine!r}")
         page = PAGE
         for name in ("buffer_size", "block_size", "staging_chunk"):
             value = getattr(self, name)
@@ -131,3 +154,16 @@ class IOConfig:
             raise ValueError(f"direct_min must be at least {page}, got {self.direct_min}")
         if self.gather_max < 0:
             raise ValueError(f"gather_max must be at least 0, got {self.gather_max}")
+        if self.host_threads is not None and self.host_threads < 1:
+            raise ValueError(f"host_threads must be at least 1 (or None: auto), got {self.host_threads}")
+
+    def threads(self) -> int:
+        """``host_threads``, or what auto gives on this machine."""
+        if self.host_threads is not None:
+            return self.host_threads
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        try:
+            ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            ranks = 1
+        return max(1, min(_MAX_AUTO_THREADS, cpus // ranks))

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import _cio
 from .errors import UnsupportedTensorError
+
+if TYPE_CHECKING:
+    from .io.checksum import Checksummer
 
 __all__ = ["check_storable", "plain_layout", "byte_view", "ByteSource", "ByteSink"]
 
@@ -109,13 +113,24 @@ class ByteSource:
             self._slab = _host_bytes(next(self._slabs))
         return self._slab, offset - self._slab_start
 
-    def copy_into(self, dst: memoryview, offset: int, crc: int, hasher: _cio.Hash128 | None = None) -> int:
+    def copy_into(
+        self,
+        dst: memoryview,
+        offset: int,
+        crc: int,
+        hasher: _cio.Hash128 | None = None,
+        checksummer: Checksummer | None = None,
+    ) -> int:
         """Copy the bytes at ``offset`` into ``dst`` (filling it); return the running CRC-32C.
 
-        ``hasher`` is fed the same bytes, in the same pass.
+        ``hasher`` is fed the same bytes, in the same pass; ``checksummer``
+        copies bytes in memory over several threads.
         """
         if self.memory is not None:
-            return _cio.copy_crc32c(dst, self.memory[offset : offset + len(dst)], crc, hasher)
+            src = self.memory[offset : offset + len(dst)]
+            if checksummer is not None:
+                return checksummer.copy_crc32c(dst, src, crc, hasher)
+            return _cio.copy_crc32c(dst, src, crc, hasher)
         done = 0
         while done < len(dst):
             slab, start = self._slab_at(offset + done)

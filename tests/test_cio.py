@@ -241,3 +241,39 @@ def test_dio_alignment_and_fallocate(tmp_path):
     buf = aligned(8192)
     assert _cio.address(buf) % mmap.PAGESIZE == 0
     assert _cio.address(memoryview(buf)[100:]) == _cio.address(buf) + 100
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def test_advise_huge_names_only_untouched_blocks_and_populate_touches_them():
+    huge = 2 << 20
+    m = _anonymous(16 * huge)
+    view = memoryview(m)
+    start = -_cio.address(view) % huge  # the first 2 MiB boundary inside the mapping
+    blocks = (len(m) - start) // huge
+    view[start + 3 * huge + 17] = 1  # touches one block (one page of it, or all of it where huge pages are on)
+    runs = _cio.advise_huge(view)
+    if not runs:  # a kernel without transparent huge pages advises nothing, and says so by returning none
+        assert (
+            not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+            or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        )
+    else:
+        assert runs == [(start, 3 * huge), (start + 4 * huge, (blocks - 4) * huge)]
+    before = bytes(view[start + 3 * huge : start + 3 * huge + 32])
+    _cio.populate(view)
+    assert bytes(view[start + 3 * huge : start + 3 * huge + 32]) == before  # populating changes no byte
+    assert _cio.advise_huge(view) == []  # every block holds pages now
+    assert _cio.advise_huge(view[:4096]) == []  # less than a whole aligned block: nothing to ask for
+    view.release()
+    m.close()
+
+
+def test_populate_and_advise_huge_refuse_read_only_memory():
+    with pytest.raises(BufferError, match="not writable"):
+        _cio.populate(b"immutable")
+    with pytest.raises(BufferError, match="not writable"):
+        _cio.advise_huge(b"immutable")
+    _cio.populate(bytearray())  # nothing to do

@@ -75,6 +75,35 @@ def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind)
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
+def co_aligned_targets(path: Path, make) -> dict[str, torch.Tensor]:
+    """Float targets made by ``make`` (``untouched``, or ``torch.zeros``: touched), each co-aligned
+    with its bytes in the file, so that it can be read in place."""
+    target = {}
+    for index, location in open_checkpoint(path).metadata.storage_data.items():
+        backing = make(location.length + 4096, dtype=torch.uint8)
+        skew = (location.offset - backing.data_ptr()) % 4096
+        target[index.fqn] = backing[skew : skew + location.length].view(torch.float32)
+    return target
+
+
+def untouched(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Memory no page of which was ever touched (``torch.empty`` may reuse freed heap memory)."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype)
+
+
+def transparent_huge_pages() -> bool:
+    """Whether this kernel gives anonymous memory huge pages when asked (madvise)."""
+    import mmap
+
+    m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        return bool(_cio.advise_huge(memoryview(m)))
+    finally:
+        m.close()
+
+
 # (setting, disk's requests capped by scattered memory, huge pages enabled, every byte staged)
 IN_PLACE_OR_STAGED = [
     (True, True, True, False),
@@ -112,11 +141,7 @@ def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatc
     monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
-    target = {}  # each target's memory co-aligned with its bytes in the file, so that it can be read in place
-    for index, location in open_checkpoint(tmp_path / "ck").metadata.storage_data.items():
-        backing = torch.empty(location.length + 4096, dtype=torch.uint8)
-        skew = (location.offset - backing.data_ptr()) % 4096
-        target[index.fqn] = backing[skew : skew + location.length].view(torch.float32)
+    target = co_aligned_targets(tmp_path / "ck", torch.zeros)  # touched: no huge pages for them (see below)
     load(target, tmp_path / "ck", config=IOConfig(direct_io=True, direct_reads=direct_reads))
     assert all(torch.equal(target[k], v) for k, v in state.items())
     tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in target.values()]
@@ -125,6 +150,38 @@ def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatc
     back = empty_like(state)
     load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_untouched_targets_read_their_huge_page_blocks_in_place(tmp_path, monkeypatch, prepare):
+    """Auto, where 4 KiB pages cap the disk's requests: the 2 MiB-aligned blocks of a target nobody touched yet get
+    huge pages before their first touch (``prepare_targets``), so they are read in place at full request size;
+    the rest of the target goes through the staging buffers. Without preparing, every byte is staged."""
+    from fp_dcp.io import buffers, device
+
+    state = {f"t{i}": torch.randn(3 << 20) for i in range(2)}
+    save(state, tmp_path / "ck")
+    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: True)
+    monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: True)
+    requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
+    target = co_aligned_targets(tmp_path / "ck", untouched)
+    load(target, tmp_path / "ck", config=IOConfig(direct_io=True, prepare_targets=prepare))
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+    huge = 2 << 20
+    blocks = [(-(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.nbytes) // huge * huge) for t in target.values()]
+    into_tensors = [
+        r for r in requests if any(t.data_ptr() <= r.address < t.data_ptr() + t.nbytes for t in target.values())
+    ]
+    if prepare and transparent_huge_pages():
+        assert into_tensors
+        outside = [
+            r for r in into_tensors if not any(lo <= r.address and r.address + r.length <= hi for lo, hi in blocks)
+        ]
+        assert not outside, outside[:3]  # only whole huge-page blocks are read in place
+        in_place = sum(r.length for r in into_tensors)
+        assert in_place >= sum(hi - lo for lo, hi in blocks) - len(blocks) * 2 * 4096  # all of them, but the edges
+    else:
+        assert not into_tensors
 
 
 @pytest.mark.parametrize(("segments", "max_kib", "caps"), [(254, 4096, True), (256, 1024, False), (None, 4096, False)])
@@ -350,3 +407,25 @@ def test_built_without_liburing_uses_threads(tmp_path):
         [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "threads (fp_dcp._cio was built without liburing)"
+
+
+def test_the_null_engine_stores_nothing_and_publishes_nothing(tmp_path):
+    """``engine="null"`` measures the pipeline: the save runs whole (copies, checksums), its writes complete at
+    once, and the directory is left holding no checkpoint at all, not one whose files hold zeros."""
+    state = {"w": torch.randn(3 << 20), "b": torch.arange(1000), "meta": {"step": 3}}
+    writer = save(state, tmp_path / "null", config=IOConfig(engine="null"))
+    summary = writer.last_save
+    assert summary is not None and summary.engine.startswith("null") and summary.bytes >= state["w"].nbytes
+    writer.close()
+    assert sorted(os.listdir(tmp_path / "null")) == [".lock"]
+    assert not fp_dcp.FastPersistReader.validate_checkpoint_id(tmp_path / "null")
+    real = save(state, tmp_path / "real")  # a published checkpoint is not touched by a null save over it
+    save(state, tmp_path / "real", config=IOConfig(engine="null")).close()
+    back = empty_like(state)
+    load(back, tmp_path / "real")
+    assert torch.equal(back["w"], state["w"])
+    real.close()
+    with pytest.raises(ValueError, match="null"):
+        fp_dcp.SafetensorsWriter(tmp_path / "st", config=IOConfig(engine="null"))
+    with pytest.raises(BaseException, match="null engine stores nothing"):  # DCP wraps it in CheckpointException
+        load(empty_like(state), tmp_path / "real", config=IOConfig(engine="null"))

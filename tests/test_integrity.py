@@ -127,7 +127,7 @@ def test_crash_before_publish_keeps_the_previous_checkpoint(ckpt, monkeypatch):
     monkeypatch.undo()
     assert len(data_files(ckpt)) == 2  # the new, unpublished file is there but unreferenced
     assert_loads(ckpt, 7.0)
-    save(state_of(9.0), ckpt)  # the next save publishes and removes both leftovers
+    save(state_of(9.0), ckpt).close()  # the next save publishes and removes both leftovers (close: waits)
     assert len(data_files(ckpt)) == 1
     assert_loads(ckpt, 9.0)
 
@@ -164,7 +164,7 @@ def test_durable_steps_happen_in_order(ckpt, monkeypatch):
     spy(
         os, "unlink", lambda path: "unlink " + ("old" if os.path.basename(path) == old.name else os.path.basename(path))
     )
-    save(state_of(2.0), ckpt)
+    save(state_of(2.0), ckpt).close()  # close: the replaced file is removed on a thread of its own
     monkeypatch.undo()
     assert events == [
         "fsync data",
@@ -216,3 +216,18 @@ def test_writer_reused_after_a_failed_save_without_checkpoint_id(ckpt, monkeypat
     monkeypatch.delenv(engine.FAULT_ENV)
     dcp.save(state_of(2.0), storage_writer=writer)
     assert_loads(ckpt, 2.0)
+
+
+def test_a_crash_before_the_replaced_files_are_removed_leaves_garbage_the_next_save_removes(ckpt, monkeypatch):
+    """The replaced checkpoint's files are removed after the new one is published, on a thread of their own; a
+    crash in between leaves the new checkpoint whole plus unreferenced files, which the next save removes."""
+    save(state_of(1.0), ckpt).close()
+    (first,) = data_files(ckpt)
+    monkeypatch.setattr(commit.Cleanup, "start", lambda self, directories, names: None)  # the process died here
+    save(state_of(2.0), ckpt).close()
+    monkeypatch.undo()
+    assert first in data_files(ckpt) and len(data_files(ckpt)) == 2
+    assert_loads(ckpt, 2.0)  # complete, the garbage beside it
+    save(state_of(3.0), ckpt).close()
+    assert len(data_files(ckpt)) == 1 and first not in data_files(ckpt)
+    assert_loads(ckpt, 3.0)

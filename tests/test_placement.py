@@ -94,7 +94,7 @@ def test_checkpoints_sharing_data_dirs_keep_their_own_files(tmp_path):
     dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
     save(state_of(1), tmp_path / "step-1", data_dirs=dirs)
     save(state_of(2), tmp_path / "step-2", data_dirs=dirs)
-    save(state_of(3), tmp_path / "step-1", data_dirs=dirs)  # overwrite step-1 only
+    save(state_of(3), tmp_path / "step-1", data_dirs=dirs).close()  # overwrite step-1 only; close: old files gone
     assert_loads(tmp_path / "step-1", 3, data_dirs=dirs)
     assert_loads(tmp_path / "step-2", 2, data_dirs=dirs)
     assert len(data_files(tmp_path / "nvme0")) == 2  # one file per checkpoint: the replaced one is gone

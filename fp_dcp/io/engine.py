@@ -1,6 +1,7 @@
 """I/O engines: move byte ranges between memory and files, asynchronously.
 
-Two engines with one interface and the same on-disk result:
+Two engines with one interface and the same on-disk result, and one that
+stores nothing:
 
 - ``UringEngine``: requests go through one io_uring ring (``fp_dcp._cio``),
   up to ``queue_depth`` in flight, pool buffers registered as fixed buffers.
@@ -8,6 +9,10 @@ Two engines with one interface and the same on-disk result:
 - ``ThreadEngine``: positional reads and writes from a small thread pool, for
   kernels or sandboxes that refuse io_uring (Docker's default seccomp
   profile, ``kernel.io_uring_disabled``) and builds without liburing.
+- ``NullEngine`` (``engine="null"``, benchmarks only): every write completes
+  at once and stores nothing, so a save measures the pipeline (planning,
+  copies, checksums, submission) without a device in the way. Such a save
+  publishes no checkpoint; reads from it fail.
 
 Requests larger than ``block_size`` are split; a short transfer is resumed;
 a failure surfaces from ``wait`` as ``OSError`` carrying errno and the path.
@@ -29,9 +34,20 @@ from .. import _cio
 from ..config import IOConfig
 from ..log import log_once
 from .buffers import BufferPool
+from .checksum import Checksummer
 from .files import DataFile
+from .prefault import Prefaulter
 
-__all__ = ["ShortReadError", "Ticket", "Engine", "UringEngine", "ThreadEngine", "IOResources", "create_engine"]
+__all__ = [
+    "ShortReadError",
+    "Ticket",
+    "Engine",
+    "UringEngine",
+    "ThreadEngine",
+    "NullEngine",
+    "IOResources",
+    "create_engine",
+]
 
 FAULT_ENV = "FP_DCP_FAULT_AT"
 
@@ -69,9 +85,11 @@ class Engine(ABC):
     ``write``/``read`` queue the transfer and return at once; the memory must
     stay untouched until ``wait`` on the returned ticket has returned.
     ``fallback_reason`` says why ``auto`` did not pick io_uring (None if it did).
+    ``stores``: whether what is written can be read back (not so for ``NullEngine``).
     """
 
     name: str
+    stores = True
 
     def __init__(self, config: IOConfig) -> None:
         self.block_size = config.block_size
@@ -311,10 +329,36 @@ class ThreadEngine(Engine):
         self.pool.shutdown(wait=True)
 
 
+class NullEngine(Engine):
+    """Writes complete at once and store nothing; reads fail. For measuring the pipeline (benchmarks)."""
+
+    name = "null (stores nothing)"
+    stores = False
+
+    def _queue(self, ticket: Ticket, is_write: bool, file: DataFile, view: memoryview, offset: int, end: int) -> None:
+        if not is_write:
+            ticket.fail(OSError(errno_mod.EIO, "the null engine stores nothing, so nothing can be read", file.path))
+
+    def wait(self, ticket: Ticket) -> None:
+        if ticket.error is not None:
+            raise ticket.error
+
+    def sync(self, files: Sequence[DataFile]) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def create_engine(config: IOConfig) -> Engine:
     """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once."""
     if config.engine == "threads":
         return ThreadEngine(config)
+    if config.engine == "null":
+        return NullEngine(config)
     if not _cio.HAVE_IO_URING:
         reason = "fp_dcp._cio was built without liburing"
     else:
@@ -331,12 +375,17 @@ def create_engine(config: IOConfig) -> Engine:
 
 
 class IOResources:
-    """An engine and a staging-buffer pool, created on first use and kept until ``close``."""
+    """An engine and a staging-buffer pool, created on first use and kept until ``close``, and the host
+    threads beside them: ``checksummer`` (copies and checksums over several threads) and ``prefaulter``
+    (load targets faulted in ahead of the reads; no threads where ``prepare_targets`` is off)."""
 
     def __init__(self, config: IOConfig) -> None:
         self.config = config
         self._engine: Engine | None = None
         self._pool: BufferPool | None = None
+        threads = config.threads()
+        self.checksummer = Checksummer(threads)
+        self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
 
     def get(self) -> tuple[Engine, BufferPool]:
         if self._engine is None or self._pool is None:
@@ -352,3 +401,5 @@ class IOResources:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self.prefaulter.close()
+        self.checksummer.close()

@@ -21,7 +21,7 @@ import io
 import itertools
 import math
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 
 import torch
@@ -33,10 +33,12 @@ from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
 from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
+from ..io.checksum import Checksummer
 from ..io.device import in_place
 from ..io.engine import Engine, ShortReadError
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, open_file
+from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..tensors import ByteSink
 from .catalog import Catalog
@@ -44,6 +46,10 @@ from .catalog import Catalog
 __all__ = ["read_items"]
 
 _MAX_WASTE = 0.05  # read through holes between needed runs while they add at most 5% to the bytes read
+# Items are resolved, and their memory handed to the prefaulter, this far ahead of their reads: a second of
+# reads on a fast disk, while a fault-in keeps up at 2-4 GB/s per thread.
+_LOOKAHEAD = 1 << 30
+_ONE_THREAD = Checksummer(1)
 _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
 
 
@@ -78,7 +84,7 @@ def byte_runs(sizes: torch.Size, offsets: torch.Size, lengths: torch.Size, items
 class _Item:
     """One ReadItem in flight: where its bytes go and how many have arrived."""
 
-    __slots__ = ("req", "location", "sink", "runs", "total", "done", "crc", "verify")
+    __slots__ = ("req", "location", "sink", "runs", "total", "done", "crc", "verify", "prepared")
 
     def __init__(self, req: ReadItem, location: ItemLocation) -> None:
         self.req = req
@@ -89,6 +95,7 @@ class _Item:
         self.done = 0
         self.crc = 0
         self.verify = False
+        self.prepared = NOTHING_PREPARED  # its host memory being faulted in (``io.prefault``)
 
     def describe(self) -> str:
         return describe_item(self.req.storage_index, self.location)
@@ -183,27 +190,71 @@ def _sink_device(item: _Item) -> torch.Tensor | None:
     return item.sink.device if isinstance(item.sink, ByteSink) else None
 
 
-def _pieces(
+def _ahead(
     items: list[_Item],
     planner: LoadPlanner,
     catalog: Catalog,
     verify: bool,
     uploads: DeviceLoads | None,
     pool: BufferPool,
-    into_targets: bool,
-) -> Iterator[Piece]:
-    """The items' runs, in order; ``into_targets``: runs may be read straight into host targets' memory."""
+    prefaulter: Prefaulter | None,
+    lookahead: int,
+) -> Iterator[_Item]:
+    """The items, each resolved ``lookahead`` bytes before it is yielded, its host memory handed to the
+    prefaulter then, so that its pages are in before its reads; items with nothing to read are finished."""
+    waiting: deque[_Item] = deque()
+    queued = 0
     for item in items:
         _prepare(item, planner, catalog, verify, uploads, pool)
         if not item.total:
-            _finish(item, planner)
+            waiting.append(item)
             continue
-        memory = _sink_memory(item) if into_targets and _sink_device(item) is None else None
+        if prefaulter is not None and _sink_device(item) is None:
+            item.prepared = prefaulter.prepare(_sink_memory(item))
+        waiting.append(item)
+        queued += item.total
+        while waiting and queued - waiting[0].total >= lookahead:
+            queued -= waiting[0].total
+            yield from _ready(waiting.popleft(), planner)
+    while waiting:
+        yield from _ready(waiting.popleft(), planner)
+
+
+def _ready(item: _Item, planner: LoadPlanner) -> Iterator[_Item]:
+    if item.total:
+        yield item
+    else:
+        _finish(item, planner)
+
+
+def _pieces(items: Iterator[_Item], placement: str) -> Iterator[Piece]:
+    """The items' runs, in order. ``placement``: ``"staged"`` (every run through the staging buffers),
+    ``"in place"`` (runs of host targets straight into their memory) or ``"huge in place"`` (only the parts
+    of host targets that the prefaulter asked huge pages for: memory in 4 KiB pages caps this disk's
+    requests, memory in 2 MiB ones does not)."""
+    for item in items:
+        memory = _sink_memory(item) if placement != "staged" and _sink_device(item) is None else None
+        direct = [(0, item.total)] if placement == "in place" else item.prepared.huge
         at = 0
         for start, length in item.runs:
-            run = memory[at : at + length] if memory is not None else None
-            yield Piece(item.location.offset + start, length, item, at, run)
+            for lo, hi, inside in _cut(at, at + length, direct if memory is not None else []):
+                run = memory[lo:hi] if inside and memory is not None else None
+                yield Piece(item.location.offset + start + lo - at, hi - lo, item, lo, run)
             at += length
+
+
+def _cut(lo: int, hi: int, spans: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """``[lo, hi)`` cut at the edges of ``spans`` (sorted ``(offset, length)``): (start, end, inside a span)."""
+    for offset, length in spans:
+        start, end = max(lo, offset), min(hi, offset + length)
+        if start >= end:
+            continue
+        if start > lo:
+            yield lo, start, False
+        yield start, end, True
+        lo = end
+    if lo < hi:
+        yield lo, hi, False
 
 
 def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict[str, DataFile]:
@@ -241,6 +292,13 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
     return files
 
 
+def _placement(config: IOConfig, f: DataFile, pool: BufferPool) -> str:
+    """How runs of ``f`` reach host targets (``_pieces``)."""
+    if in_place(config.direct_reads, f, pool):
+        return "in place"
+    return "huge in place" if config.direct_reads is None else "staged"
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadCounts:
     """What one ``read_items`` call read: bytes from the files, the bytes needed, and requests issued."""
@@ -259,13 +317,19 @@ def read_items(
     config: IOConfig,
     verify: bool,
     uploads: DeviceLoads | None = None,
+    checksummer: Checksummer | None = None,
+    prefaulter: Prefaulter | None = None,
 ) -> ReadCounts:
     """Read every request into its planner-resolved destination (device targets through ``uploads``).
 
     Neighbouring items of a file are read with one request where the holes
     between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
     ``verify``: check the CRC-32C of items read whole, where the catalogue has them.
+    ``checksummer`` copies and checksums over several threads (None: this
+    one); ``prefaulter`` faults host targets in ahead of their reads (None:
+    the reads and copies fault them in).
     """
+    checksum = checksummer or _ONE_THREAD
     verify = verify and catalog.checksums
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:
@@ -277,7 +341,7 @@ def read_items(
         if extent.direct is not None:
             item = extent.direct.owner
             if item.verify:
-                item.crc = _cio.crc32c(extent.direct.memory, item.crc)
+                item.crc = checksum.crc32c(extent.direct.memory, item.crc)
             _advance(item, extent.length)
             return
         assert buffer is not None
@@ -287,7 +351,7 @@ def read_items(
             device = _sink_device(owner)
             if device is None:
                 dst = _sink_memory(owner)[part.owner_offset : part.owner_offset + part.length]
-                owner.crc = _cio.copy_crc32c(dst, region, owner.crc)
+                owner.crc = checksum.copy_crc32c(dst, region, owner.crc)
                 _advance(owner, part.length)
                 continue
             assert uploads is not None
@@ -311,17 +375,21 @@ def read_items(
     progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
     ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
+    lookahead = _LOOKAHEAD // max(1, len(by_file))
     try:
         streams = []
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            pieces = _pieces(items, planner, catalog, verify, uploads, pool, in_place(config.direct_reads, f, pool))
+            ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, lookahead)
+            pieces = _pieces(ahead, _placement(config, f, pool))
             extents = plan_extents(pieces, f.align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
             buffer: memoryview | None
             if extent.direct is not None:
+                owner = extent.direct.owner
+                owner.prepared.wait(extent.direct.owner_offset + extent.length)  # a read into it would fault
                 buffer, into = None, extent.direct.memory
             else:
                 buffer = into = window.stage(extent.length)

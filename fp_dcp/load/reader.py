@@ -263,10 +263,7 @@ class FastPersistReader(StorageReader):
         """Read the plan's items, shared ones through the exchange; returns the storage reads and bytes received."""
         exchange = plan.storage_data if isinstance(plan.storage_data, Exchange) else None
         if exchange is None or self._transport is None:
-            counts = read_items(
-                plan.items, planner, catalog, engine, pool, self.config, self.verify_checksums, self._uploads
-            )
-            return counts, 0
+            return self._read_own(plan.items, planner, catalog, engine, pool), 0
         shared: list[ReadItem] = []
         own: list[ReadItem] = []
         for req in plan.items:
@@ -276,9 +273,27 @@ class FastPersistReader(StorageReader):
         peers, received = read_shared(
             shared, exchange, planner, catalog, engine, pool, self.config, self._transport, self._uploads
         )
-        counts = read_items(own, planner, catalog, engine, pool, self.config, self.verify_checksums, self._uploads)
+        counts = self._read_own(own, planner, catalog, engine, pool)
         total = ReadCounts(counts.read + peers.read, counts.needed + peers.needed, counts.requests + peers.requests)
         return total, received
+
+    def _read_own(
+        self, items: list[ReadItem], planner: LoadPlanner, catalog: Catalog, engine: Engine, pool: BufferPool
+    ) -> ReadCounts:
+        """Read ``items`` from storage, this rank's own reads."""
+        io = self._io
+        return read_items(
+            items,
+            planner,
+            catalog,
+            engine,
+            pool,
+            self.config,
+            self.verify_checksums,
+            self._uploads,
+            io.checksummer,
+            io.prefaulter,
+        )
 
     def _needed(self, item: ReadItem) -> int:
         """Bytes of the region a stock checkpoint's ReadItem asks for (the whole record for objects)."""

@@ -7,8 +7,9 @@ The protocol, in the order its steps reach the disk:
 2. the coordinator writes ``.metadata`` under a temporary name, fsyncs it,
    renames it over ``.metadata`` and fsyncs the directory: the single step
    that makes the new checkpoint exist;
-3. only then are the files of the checkpoint it replaced, and leftovers of
-   saves that died, removed.
+3. only then are leftovers of saves that died removed, and the files of the
+   checkpoint it replaced, the latter on a thread of their own (``Cleanup``):
+   the save returns without waiting for the filesystem to free them.
 
 A crash before step 2 leaves the previous checkpoint (or none) in place; a
 crash after it leaves the new one. One save at a time per directory is
@@ -21,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 import weakref
 
 from ..errors import CheckpointBusyError
 from ..format import METADATA_NAME, parse_data_file_name
 from ..io import files
 
-__all__ = ["LOCK_NAME", "SaveLock", "publish", "remove_unreferenced"]
+__all__ = ["LOCK_NAME", "SaveLock", "publish", "remove_leftovers", "Cleanup"]
 
 LOCK_NAME = ".lock"
 _TMP_PREFIX = METADATA_NAME + "."
@@ -69,22 +71,59 @@ def publish(directory: str, metadata_bytes: bytes, token: str) -> None:
     files.write_durably(os.path.join(directory, METADATA_NAME), metadata_bytes, tmp)
 
 
-def remove_unreferenced(directory: str, keep: set[str], replaced: set[str]) -> list[str]:
-    """Remove the replaced checkpoint's files and dead saves' leftovers; never a file in ``keep``.
+def remove_leftovers(directory: str, keep: set[str], spare: set[str]) -> list[str]:
+    """Remove dead saves' leftovers: files named as fp-dcp names its own, never one in ``keep`` or ``spare``.
 
-    Only names fp-dcp writes (data files, temporary metadata) and the files
-    the replaced ``.metadata`` listed are candidates; anything else a user
-    keeps in the directory stays.
+    Anything else a user keeps in the directory stays.
     """
     removed = []
     for name in os.listdir(directory):
-        if name in keep:
+        if name in keep or name in spare:
             continue
-        ours = parse_data_file_name(name) is not None or (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX))
-        if ours or name in replaced:
+        if parse_data_file_name(name) is not None or (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
                 removed.append(name)
     if removed:
         files.fsync_directory(directory)
     return removed
+
+
+class Cleanup:
+    """The replaced checkpoint's files, removed on a thread of their own after the new one is published.
+
+    Freeing a large file's space is the filesystem's slowest step (8 GiB on
+    tmpfs: 0.3 s), and nothing needs to wait for it: the files belong to no
+    checkpoint any more, and their names are this save's to forget. A crash
+    before they are gone leaves them behind, unreferenced; the next save into
+    the directory removes them as leftovers (``remove_leftovers``). The
+    thread is not a daemon: an interpreter exiting waits for it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self, directories: list[str], names: set[str]) -> None:
+        """Remove ``names`` from each of ``directories`` (after the removal started before, if any)."""
+        self.wait()
+        if names:
+            self._thread = threading.Thread(target=_remove, args=(directories, names), name="fp-dcp-cleanup")
+            self._thread.start()
+
+    def wait(self) -> None:
+        """Return once the removal started last is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _remove(directories: list[str], names: set[str]) -> None:
+    for directory in directories:
+        removed = False
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                removed = True
+        if removed:
+            with contextlib.suppress(OSError):  # a removal that is not durable is redone by the next save
+                files.fsync_directory(directory)

@@ -25,6 +25,7 @@ import io
 import itertools
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from ..config import IOConfig
 from ..format import ItemLocation, layout, stored_nbytes
 from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
+from ..io.checksum import Checksummer
 from ..io.dealing import deal
 from ..io.device import in_place
 from ..io.engine import Engine
@@ -130,6 +132,7 @@ def write_files(
     controls: SaveControls,
     copier: DeviceCopier,
     incremental: Incremental | None = None,
+    checksummer: Checksummer | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
 
@@ -159,7 +162,7 @@ def write_files(
             it.offset = offset
         plans.append((path, items, size))
 
-    directs = write_laid_out(plans, engine, pool, config, controls, copier)
+    directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer)
 
     results = []
     written = []
@@ -183,6 +186,7 @@ def write_laid_out(
     config: IOConfig,
     controls: SaveControls,
     copier: DeviceCopier,
+    checksummer: Checksummer | None = None,
 ) -> list[bool]:
     """Create each file ``(path, items, size)``, write its items (in file order) at their offsets, make it
     ``size`` bytes, durably.
@@ -192,17 +196,20 @@ def write_laid_out(
     every file is removed. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
-    those writes completed. Returns whether each file was written with O_DIRECT.
+    those writes completed. ``checksummer`` copies and checksums over several
+    threads (None: this one). Returns whether each file was written with O_DIRECT.
     """
+    checksum = checksummer or Checksummer(1)
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
     window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
     try:
+        for path, _, _ in plans:
+            files.append(open_file(path, create=True, direct=config.direct_io))
+        if engine.stores:
+            _preallocate(files, [size for _, _, size in plans], checksum.threads)
         streams = []
-        for path, items, size in plans:
-            f = open_file(path, create=True, direct=config.direct_io)
-            files.append(f)
-            preallocate(f, size)
+        for f, (_, items, _) in zip(files, plans, strict=True):
             from_memory = in_place(config.direct_writes, f, pool)
             pieces = [
                 Piece(it.offset, it.source.nbytes, it, 0, it.source.memory if from_memory else None) for it in items
@@ -213,12 +220,12 @@ def write_laid_out(
             controls.check()
             if extent.direct:
                 it = extent.direct.owner
-                it.crc = _cio.crc32c(extent.direct.memory, it.crc, it.hasher)
-                buffer, data = None, extent.direct.memory
+                window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)
+                it.crc = checksum.crc32c(extent.direct.memory, it.crc, it.hasher)  # while the write is in flight
                 reads_tensors = True
             else:
-                buffer = data = _fill(window.stage(extent.length), extent, copier)
-            window.push(engine.write(f, data, extent.file_offset), extent, buffer)
+                buffer = _fill(window.stage(extent.length), extent, copier, checksum)
+                window.push(engine.write(f, buffer, extent.file_offset), extent, buffer)
         if not reads_tensors:
             controls.released()
         window.finish()
@@ -239,7 +246,18 @@ def write_laid_out(
     return [f.direct for f in files]
 
 
-def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryview:
+def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
+    """Preallocate the files, several at once: on tmpfs an allocation clears the memory it takes."""
+    if len(files) <= 1 or threads == 1:
+        for f, size in zip(files, sizes, strict=True):
+            preallocate(f, size)
+        return
+    with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
+        for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
+            task.result()
+
+
+def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, checksum: Checksummer) -> memoryview:
     """Copy a staged extent's parts into ``buffer`` at their positions; zero the rest.
 
     Device parts are copied by the copier while the host fills the rest,
@@ -252,7 +270,9 @@ def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier) -> memoryvie
             _zero(buffer, cursor, buf_offset)
             cursor = buf_offset + length
             if batch is None or owner not in batch:
-                owner.crc = owner.source.copy_into(buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher)
+                owner.crc = owner.source.copy_into(
+                    buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher, checksum
+                )
         _zero(buffer, cursor, extent.length)
     except BaseException:
         if batch is not None:

@@ -131,13 +131,18 @@ class SafetensorsWriter(StorageWriter):
             )
         if enable_consolidation:
             _needs_safetensors_package()
+        self.config = config if config is not None else IOConfig()
+        if self.config.engine == "null":
+            raise ValueError(
+                "SafetensorsWriter cannot use engine='null': its files are complete once renamed into place, "
+                "and the null engine stores nothing in them"
+            )
         self._default_path = checkpoint_directory(path)
         self._path = self._default_path
         self.fqn_to_index_mapping = fqn_to_index_mapping
         self.save_distributed = save_distributed
         self.enable_consolidation = enable_consolidation
         self.thread_count_consolidation = thread_count_consolidation
-        self.config = config if config is not None else IOConfig()
         self._resources = WriterResources(self.config)  # GPU tensors cross through its staging, as in saves
         self.save_id = str(uuid.uuid4())
         self.last_save: SaveSummary | None = None
@@ -216,7 +221,8 @@ class SafetensorsWriter(StorageWriter):
                 laid_out.append((os.path.join(self.path, f"{name}.{token}.tmp"), placed, size))
                 names.append(name)
             copier.prepare(pool, [p.source for _, placed, _ in laid_out for p in placed])
-            directs = write_laid_out(laid_out, engine, pool, self.config, SaveControls(), copier)
+            checksummer = self._resources.io.checksummer
+            directs = write_laid_out(laid_out, engine, pool, self.config, SaveControls(), copier, checksummer)
             for (tmp, _, _), name in zip(laid_out, names, strict=True):
                 os.replace(tmp, os.path.join(self.path, name))
             fsync_directory(self.path)

@@ -172,6 +172,7 @@ class FastPersistWriter(StorageWriter):
         self.last_save: SaveSummary | None = None
         self._lock: commit.SaveLock | None = None
         self._replaced: set[str] = set()
+        self._cleanup = commit.Cleanup()
         self._token = ""
         self._base: Base | None = None  # the base opened for the save in progress
 
@@ -226,6 +227,7 @@ class FastPersistWriter(StorageWriter):
     # DCP calls reset() only when a checkpoint_id is passed, so every save starts here.
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._release_lock()  # left over if the previous save failed on some rank
+        self._cleanup.wait()
         self._staged = self._async.begin()
         self.save_id = str(uuid.uuid4())
         self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
@@ -288,7 +290,7 @@ class FastPersistWriter(StorageWriter):
             threads = min(self.config.io_threads, os.cpu_count() or 1)
             incremental = Incremental(self._base, threads)
         results, written = write_files(
-            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental
+            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, self._io.checksummer
         )
         for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them
@@ -324,6 +326,10 @@ class FastPersistWriter(StorageWriter):
         if self.last_save:
             footer["engine"] = self.last_save.describe_io()  # the coordinator's
         encoded = encode_metadata(this_save, entries, footer)
+        if self.config.engine == "null":  # nothing was stored: there is no checkpoint to publish
+            self._remove_files(entries)
+            self._release_lock()
+            return
         try:
             try:
                 commit.publish(self.path, encoded, self._token)
@@ -331,8 +337,10 @@ class FastPersistWriter(StorageWriter):
                 self._remove_files(entries)  # unpublished: they would only hold the space a retry needs
                 raise
             keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}  # incl. files of its base it took over
-            for directory in dict.fromkeys([self.path, *self.placement.directories]):
-                commit.remove_unreferenced(directory, keep, replaced=self._replaced)
+            directories = list(dict.fromkeys([self.path, *self.placement.directories]))
+            for directory in directories:
+                commit.remove_leftovers(directory, keep, spare=self._replaced)
+            self._cleanup.start(directories, self._replaced - keep)
         finally:
             self._release_lock()
 
@@ -420,8 +428,10 @@ class FastPersistWriter(StorageWriter):
             self._lock = None
 
     def close(self) -> None:
-        """Wait for async saves in flight, then release the staging buffers, snapshot, I/O engine and lock."""
+        """Wait for async saves in flight and for the removal of the files they replaced, then release the
+        staging buffers, snapshot, I/O engine and lock."""
         self._async.close()
+        self._cleanup.wait()
         self._release_lock()
         self._resources.close()
 

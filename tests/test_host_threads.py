@@ -1,0 +1,145 @@
+"""The host threads beside the I/O: copies and checksums split over several (``io.checksum``), and load targets
+faulted in ahead of the reads (``io.prefault``)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import pytest
+import torch
+from conftest import needs_xxhash
+
+from fp_dcp import IOConfig, _cio
+from fp_dcp.io import checksum, prefault
+from fp_dcp.io.checksum import MIN_SLICE, Checksummer
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("size", [0, 1, MIN_SLICE - 1, 2 * MIN_SLICE, 5 * MIN_SLICE + 4099])
+def test_sliced_checksums_and_copies_equal_one_pass(threads, size):
+    data = os.urandom(size + 3)
+    src = memoryview(data)[3:]  # an unaligned start
+    summer = Checksummer(threads)
+    try:
+        assert summer.crc32c(src) == _cio.crc32c(src)
+        assert summer.crc32c(src, 0x1234) == _cio.crc32c(src, 0x1234)  # continuing a running checksum
+        dst = bytearray(size)
+        assert summer.copy_crc32c(memoryview(dst), src, 77) == _cio.copy_crc32c(bytearray(size), src, 77)
+        assert dst == src
+        floats = torch.frombuffer(bytearray(data[: size // 4 * 4]), dtype=torch.float32) if size >= 4 else None
+        if floats is not None:  # a view of another format is checksummed as its bytes
+            assert summer.crc32c(memoryview(floats.numpy())) == _cio.crc32c(data[: size // 4 * 4])
+    finally:
+        summer.close()
+
+
+def test_large_ranges_are_split_over_the_threads(monkeypatch):
+    calls: list[tuple[str, int]] = []
+    real = _cio.crc32c
+
+    def recording(*args):
+        calls.append((threading.current_thread().name, len(args[0])))
+        return real(*args)
+
+    monkeypatch.setattr(checksum._cio, "crc32c", recording)
+    summer = Checksummer(3)
+    data = os.urandom(3 * MIN_SLICE)
+    assert summer.crc32c(memoryview(data)) == real(data)
+    summer.close()
+    assert sorted(n for _, n in calls) == [MIN_SLICE] * 3  # three slices...
+    here = threading.current_thread().name
+    assert [n for who, n in calls if who == here] == [MIN_SLICE]  # ...one in the calling thread, two elsewhere
+    calls.clear()
+    assert Checksummer(3).crc32c(memoryview(data[: MIN_SLICE + 1])) == real(data[: MIN_SLICE + 1])
+    assert calls == [(here, MIN_SLICE + 1)]  # too small to be worth a second thread
+
+
+@needs_xxhash
+def test_a_running_content_hash_keeps_the_pass_in_one_thread():
+    data = memoryview(os.urandom(3 * MIN_SLICE))
+    ours, reference = _cio.Hash128(), _cio.Hash128()
+    summer = Checksummer(4)
+    dst = bytearray(len(data))
+    assert summer.copy_crc32c(memoryview(dst), data, 0, ours) == _cio.crc32c(data, 0, reference)
+    assert ours.hexdigest() == reference.hexdigest() and dst == data
+    summer.close()
+
+
+def _untouched(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def test_prepared_memory_is_faulted_in_slice_by_slice_and_keeps_its_bytes():
+    m = _untouched(5 * prefault.SLICE + 12345)
+    view = memoryview(m)
+    view[100:104] = b"keep"
+    prefaulter = prefault.Prefaulter(2)
+    try:
+        prepared = prefaulter.prepare(view[64:])
+        if not prefault.populate_supported():
+            assert prepared is prefault.NOTHING_PREPARED
+            return
+        prepared.wait(len(m) - 64)
+        assert _cio.advise_huge(view) == []  # every 2 MiB block holds pages now
+        assert bytes(view[100:104]) == b"keep"
+        huge = 2 << 20
+        for offset, length in prepared.huge:  # the runs asked for huge pages: whole aligned blocks of it
+            assert (_cio.address(view) + 64 + offset) % huge == 0 and length % huge == 0
+    finally:
+        prefaulter.close()
+        view.release()
+        m.close()
+
+
+def test_small_read_only_or_unprepared_memory_is_left_alone():
+    prefaulter = prefault.Prefaulter(1)
+    small = _untouched(1 << 20)
+    assert prefaulter.prepare(memoryview(small)) is prefault.NOTHING_PREPARED
+    assert prefaulter.prepare(memoryview(bytes(8 << 20))) is prefault.NOTHING_PREPARED
+    prefaulter.close()
+    off = prefault.Prefaulter(0)  # prepare_targets=False
+    large = _untouched(8 << 20)
+    assert off.prepare(memoryview(large)) is prefault.NOTHING_PREPARED
+    small.close()
+    large.close()
+
+
+def test_a_kernel_without_populate_is_said_once_and_loads_go_on(monkeypatch, caplog):
+    monkeypatch.setattr(prefault, "_supported", None)
+
+    def refuse(buffer):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(prefault._cio, "populate", refuse)
+    prefaulter = prefault.Prefaulter(1)
+    m = _untouched(8 << 20)
+    assert prefaulter.prepare(memoryview(m)) is prefault.NOTHING_PREPARED
+    assert "MADV_POPULATE_WRITE" in caplog.text
+    prefaulter.close()
+    m.close()
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+@pytest.mark.parametrize("direct_reads", [None, True, False])
+def test_loads_into_untouched_targets_are_bit_exact(tmp_path, prepare, direct_reads):
+    from conftest import load, save
+
+    state = {"big": torch.randn(9 << 20), "odd": torch.randn(3, 1_000_003), "small": torch.arange(100)}
+    save(state, tmp_path / "ck")
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    config = IOConfig(prepare_targets=prepare, direct_reads=direct_reads, host_threads=2)
+    load(target, tmp_path / "ck", config=config)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_auto_host_threads_follow_the_cpus_and_the_ranks_of_the_node(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert IOConfig().threads() == max(1, min(8, cpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 2))
+    assert IOConfig().threads() == 1
+    assert IOConfig(host_threads=3).threads() == 3
+    with pytest.raises(ValueError, match="host_threads"):
+        IOConfig(host_threads=0)
