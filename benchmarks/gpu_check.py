@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from fp_dcp.gpu import gather
-from fp_dcp.tools.bench import evict, llm_state_dict, tensor_bytes
+from fp_dcp.tools.workload import evict, llm_state_dict, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

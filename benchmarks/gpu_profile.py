@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
-from fp_dcp.tools.bench import llm_state_dict, tensor_bytes
+from fp_dcp.tools.workload import llm_state_dict, tensor_bytes
 
 
 def rate(fn, nbytes: int) -> float:

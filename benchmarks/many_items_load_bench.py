@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import FastPersistReader, FastPersistWriter
-from fp_dcp.tools.bench import evict
+from fp_dcp.tools.workload import evict
 
 
 def main() -> None:

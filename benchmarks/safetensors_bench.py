@@ -63,8 +63,8 @@ from torch import nn
 from fp_dcp import FastPersistReader
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
-from fp_dcp.tools.bench import cpu_seconds, evict
 from fp_dcp.tools.fio import Fio, reference
+from fp_dcp.tools.workload import cpu_seconds, evict
 
 GB = 1e9
 GiB = 1 << 30

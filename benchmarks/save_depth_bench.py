@@ -44,8 +44,8 @@ from fp_dcp import FastPersistWriter
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.files import fsync_path
-from fp_dcp.tools.bench import cpu_seconds
 from fp_dcp.tools.fio import Fio, reference
+from fp_dcp.tools.workload import cpu_seconds
 
 GB = 1e9
 MiB = 1 << 20

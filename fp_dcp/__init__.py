@@ -29,6 +29,7 @@ from .save.summary import SaveSummary
 from .save.writer import FastPersistWriter
 from .training.manager import CheckpointManager, StepInfo, list_steps
 from .training.overlap import OverlappedCheckpointer
+from .training.steps import remove_leftovers
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointManager",
     "StepInfo",
     "list_steps",
+    "remove_leftovers",
     "install",
     "uninstall",
     "installed",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import save
+from conftest import load, save
 
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.progress import progress_text
@@ -215,15 +215,14 @@ HUGE = fio.Fio(huge_page=2 * MiB)
 
 def fake_report(limit: fio.Fio | None = HUGE) -> dict:
     """``bench.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
-    methods = bench.build_methods({}, 1, {}, [1, 2], "unused", limit)
+    methods = bench.build_methods({}, 1, [1, 2], "unused", limit)
     for i, m in enumerate(methods):
-        m.save_gbps = [1.0 + i, 1.2 + i, 0.8 + i]
-        m.cpu_per_gb = [0.5]
+        m.saved.gbps, m.saved.cpu_per_gb = [1.0 + i, 1.2 + i, 0.8 + i], [0.5]
+        m.saved.in_flight, m.saved.request_kib = [8.0 + i], [4096.0]
         m.peak_rss = [1 << 20]
-        m.in_flight, m.request_kib = [8.0 + i], [4096.0]
-        if m.load is not None:
-            m.load_gbps = [2.0 + i]
-            m.load_in_flight, m.load_request_kib = [20.0 + i], [1024.0 + i]
+        for k, runs in enumerate(m.loaded.values()):
+            runs.gbps, runs.cpu_per_gb = [2.0 + i + k], [0.1 + k]
+            runs.in_flight, runs.request_kib = [20.0 + i], [1024.0 + i]
     return bench.report(methods, 10**9, os.getcwd(), limit)
 
 
@@ -236,9 +235,13 @@ def test_bench_plot_draws_the_medians(tmp_path, monkeypatch, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {png}" in capsys.readouterr().out
     fig = plot.plot_bench(report, tmp_path / "again.png")
-    save_bars, load_bars = fig.axes[0].containers
-    assert [b.get_height() for b in save_bars] == [row["save_gbps"] for row in report["methods"].values()]
-    assert [b.get_height() for b in load_bars] == [row["load_gbps"] or 0.0 for row in report["methods"].values()]
+    save_bars, fresh_bars, touched_bars = fig.axes[0].containers
+    rows = list(report["methods"].values())
+    assert [b.get_height() for b in save_bars] == [row["save_gbps"] for row in rows]
+    assert [b.get_height() for b in fresh_bars] == [plot.load_gbps(row, "fresh") for row in rows]
+    assert [b.get_height() for b in touched_bars] == [plot.load_gbps(row, "touched") for row in rows]
+    fp = report["methods"]["fp-dcp"]["loads"]
+    assert fresh_bars[0].get_height() == fp["fresh"]["gbps"] and touched_bars[0].get_height() == fp["touched"]["gbps"]
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys):
@@ -297,37 +300,57 @@ def test_bench_measures_against_fio_when_it_is_installed(limit, capsys):
         assert r["fio"] == {"method": name, "buffers": limit.buffers, "huge_pages": bool(limit.huge_page)}
         fp, fio_row = methods["fp-dcp"], methods[name]
         assert r["ratios"]["save_vs_fio"] == pytest.approx(fp["save_gbps"] / fio_row["save_gbps"])
-        assert r["ratios"]["load_vs_fio"] == pytest.approx(fp["load_gbps"] / fio_row["load_gbps"])
-        assert "save >= 1.0 x fio" in r["bars"] and "load >= 0.95 x fio" in r["bars"]
+        for kind in ("fresh", "touched"):  # each kind of target against fio's read
+            expected = fp["loads"][kind]["gbps"] / fio_row["loads"]["disk"]["gbps"]
+            assert r["ratios"][f"load_{kind}_vs_fio"] == pytest.approx(expected)
+            assert f"load ({kind} targets) >= 0.95 x fio" in r["bars"]
+        assert "save >= 1.0 x fio" in r["bars"]
     else:
         assert r["fio"] is None and not any(name.startswith("fio") for name in methods)
         assert r["ratios"]["save_vs_fio"] is None and "save >= 0.85 x dd" in r["bars"]
+    assert (
+        r["bars"]["load (fresh targets) CPU-s/GB <= 0.15"] and not r["bars"]["load (touched targets) CPU-s/GB <= 0.15"]
+    )
     bench.print_report(r, 3)
     out = capsys.readouterr().out
     if limit is None:
         assert "fio is not installed: dd is the only reference for the disk (apt-get install fio)" in out
     elif limit.huge_page:
-        assert "x fio (fio from huge-page buffers: the disk's limit)" in out
+        assert "x into touched ones (fio from huge-page buffers: the disk's limit)" in out
     else:  # the fio line says why its buffers are not in huge pages
         assert "(fio from plain buffers (cannot reserve huge pages): below the disk's limit" in out
+
+
+def test_bench_loads_into_fresh_and_touched_targets_and_saves_into_the_null_sink():
+    methods = {m.name: m for m in bench.build_methods({}, 1, [1, 2], "unused", HUGE)}
+    assert set(methods["fp-dcp"].loads) == {"fresh", "touched"}
+    assert set(methods["FileSystemWriter t=1"].loads) == {"fresh", "touched"}  # the stock reader too
+    assert not methods["FileSystemWriter t=2"].loads and not methods[bench.NULL].loads
+    assert set(methods["fio depth 32, huge pages"].loads) == {"disk"}
 
 
 def test_bench_prints_the_disks_requests_for_saves_and_loads(capsys):
     r = fake_report()
     fp = r["methods"]["fp-dcp"]
-    assert (fp["in_flight"], fp["request_kib"], fp["load_in_flight"], fp["load_request_kib"]) == (8, 4096, 20, 1024)
-    assert r["methods"]["dd oflag=direct"]["load_in_flight"] is None  # no load: no read figures
+    assert (fp["save_in_flight"], fp["save_request_kib"]) == (8, 4096)
+    assert (fp["loads"]["fresh"]["in_flight"], fp["loads"]["touched"]["request_kib"]) == (20, 1024)
+    assert r["methods"]["dd oflag=direct"]["loads"] == {}  # no load: no read figures
     bench.print_report(r, 3)
     lines = capsys.readouterr().out.splitlines()
-    header = next(line for line in lines if line.startswith("method"))
-    assert header.split()[-8:] == ["wr", "depth", "wr", "KiB", "rd", "depth", "rd", "KiB"]
+    save_header = next(line for line in lines if line.startswith("save "))
+    load_header = next(line for line in lines if line.startswith("load (cold)"))
+    assert save_header.split()[-4:] == ["wr", "depth", "wr", "KiB"]
+    assert load_header.split()[-4:] == ["rd", "depth", "rd", "KiB"]
 
-    def row(name: str) -> list[str]:
-        return next(line for line in lines if line.startswith(name.ljust(26))).split()
+    def rows(name: str) -> list[list[str]]:
+        return [line[28:].split() for line in lines if line.startswith(name.ljust(28))]
 
-    assert row("fp-dcp")[-4:] == ["8.0", "4096", "20.0", "1024"]
-    assert row("fio depth 32, huge pages")[-4:] == ["12.0", "4096", "24.0", "1028"]
-    assert row("dd oflag=direct")[-2:] == ["-", "-"]
+    save_row, fresh_row, touched_row = rows("fp-dcp")
+    assert save_row[-2:] == ["8.0", "4096"]
+    assert fresh_row[0] == "fresh" and fresh_row[-2:] == ["20.0", "1024"]
+    assert touched_row[0] == "touched"
+    assert rows("fio depth 32, huge pages")[1][0] == "disk"
+    assert rows("dd oflag=direct") == [rows("dd oflag=direct")[0]]  # a save, no load
 
 
 def test_bench_watches_the_disk_over_a_step(monkeypatch):
@@ -367,6 +390,34 @@ def test_ls_lists_the_steps_of_a_run_and_exits_1_for_a_corrupt_one(tmp_path, cap
     listed = {s["step"]: s for s in json.loads(capsys.readouterr().out)}
     assert listed[1]["status"] == "verified" and listed[3]["status"] == "corrupt"
     assert "checksum mismatch for 'w'" in listed[3]["problem"]
+
+
+def test_ls_names_leftover_files_and_clean_removes_them_not_while_a_save_runs(tmp_path, capsys, monkeypatch):
+    """An overwrite whose removal of the replaced files a crash cut short leaves them beside a whole checkpoint."""
+    from fp_dcp.save import commit
+
+    root = tmp_path / "run"
+    step = root / "step-1"
+    save({"w": torch.full((100,), 1.0)}, step).close()
+    (old,) = [p.name for p in step.iterdir() if p.suffix == ".distcp"]
+    monkeypatch.setattr(commit.Cleanup, "start", lambda self, directories, names: None)  # died after publishing
+    save({"w": torch.full((100,), 2.0)}, step).close()
+    monkeypatch.undo()
+    (step / "notes.txt").write_text("mine")  # not fp-dcp's: never a leftover
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"+ 1 leftover file no checkpoint lists: {old}" in out and "--clean removes them" in out
+    lock = commit.SaveLock(str(step))  # a save in progress: its files are not leftovers
+    assert main(["ls", str(root), "--clean"]) == 1
+    assert "another save to" in capsys.readouterr().err and (step / old).exists()
+    lock.release()
+    assert main(["ls", str(root), "--clean", "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["status"] == "complete" and listed["leftovers"] == []
+    assert not (step / old).exists() and (step / "notes.txt").read_text() == "mine"
+    target = {"w": torch.zeros(100)}
+    load(target, step)
+    assert torch.equal(target["w"], torch.full((100,), 2.0))
 
 
 # ---- fio, the disk's reference: huge pages reserved, and given back whatever happens

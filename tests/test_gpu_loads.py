@@ -79,7 +79,7 @@ def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
 
 
 def test_gpu_load_host_memory_is_bounded_by_the_pool(tmp_path, gpu):
-    from fp_dcp.tools.bench import PeakRSS
+    from fp_dcp.tools.workload import PeakRSS
 
     n = 64 << 20 if gpu.device.type == "cuda" else 16 << 20  # 1 GiB on a GPU, 256 MiB on the CPU route
     state = {f"w{i}": torch.randn(n) for i in range(4)}

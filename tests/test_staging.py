@@ -516,7 +516,7 @@ def test_gpu_async_save_captures_the_values_of_its_step(tmp_path, gpu, mode):
 
 @pytest.mark.gpu
 def test_gpu_streaming_host_memory_is_bounded_by_the_pool(tmp_path, gpu):
-    from fp_dcp.tools.bench import PeakRSS
+    from fp_dcp.tools.workload import PeakRSS
 
     n = 64 << 20 if gpu.device.type == "cuda" else 16 << 20  # 1 GiB on a GPU, 256 MiB on the CPU route
     state = {f"w{i}": torch.randn(n, device=gpu.device) for i in range(4)}

@@ -28,7 +28,7 @@ from typing import TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import __version__, list_steps, verify_checkpoint
+from .. import __version__, list_steps, remove_leftovers, verify_checkpoint
 from ..io.progress import progress_text
 from ..units import MiB
 from . import bench
@@ -119,6 +119,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     steps = list_steps(args.root, verify=args.verify)
+    if args.clean:
+        for s in steps:
+            if s.leftovers:
+                removed = remove_leftovers(s.path)
+                print(f"{s.path}: removed {plural(len(removed), 'leftover file')}", file=sys.stderr)
+        steps = list_steps(args.root, verify=args.verify)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in steps], indent=2))
     else:
@@ -129,7 +135,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             line = f"{s.step:>10}  {s.status:<10}  {human(s.bytes):>10}  {human(s.written):>10}  {when:<19}"
             copies = ",".join(s.copies) or "-"
             print(f"{line}  {' '.join(s.references) or '-':<20}  {copies:<20}  {s.problem}".rstrip())
+            if s.leftovers:
+                names = ", ".join(s.leftovers[:3]) + (", ..." if len(s.leftovers) > 3 else "")
+                print(f"{'':>10}  + {plural(len(s.leftovers), 'leftover file')} no checkpoint lists: {names}")
         print(f"{args.root}: {plural(len(steps), 'step')}")
+        if any(s.leftovers for s in steps):
+            print("leftovers: a save that died, or the replaced files of an overwrite cut short; --clean removes them")
     return 0 if all(s.status != "corrupt" for s in steps) else 1
 
 
@@ -278,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root", help="the run's root directory")
     p.add_argument("--verify", action="store_true", help="check every checksum of every step (reads all data)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--clean", action="store_true", help="remove the leftover data files of published steps (not while a save runs)"
+    )
     p.set_defaults(run=_cmd_ls)
 
     p = sub.add_parser(

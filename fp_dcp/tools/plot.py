@@ -24,27 +24,35 @@ def require_matplotlib() -> Any:
     return plt
 
 
+def load_gbps(row: dict[str, Any], kind: str) -> float:
+    """A method's median load GB/s into ``kind`` targets; fio's read (the disk) stands for both kinds; 0 for none."""
+    loads = row["loads"]
+    load = loads.get(kind) or loads.get("disk")
+    return float(load["gbps"]) if load else 0.0
+
+
 def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> Any:
     """Draw the save and load GB/s of every method in ``result`` (``fp_dcp.tools.bench.run``'s) into a PNG at ``path``.
 
-    Bars are medians; the black ticks are the individual save runs. Returns
-    the matplotlib Figure (closed: it is not shown anywhere).
+    Bars are medians (saves, loads into fresh and into touched targets); the black ticks are the individual
+    save runs. Returns the matplotlib Figure (closed: it is not shown anywhere).
     """
     plt = require_matplotlib()
     methods = result["methods"]
     names = list(methods)
     x = range(len(names))
-    width = 0.38
+    width = 0.27
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.2), layout="constrained")
     save = [methods[n]["save_gbps"] for n in names]
-    load = [methods[n]["load_gbps"] or 0.0 for n in names]
-    save_bars = ax.bar([i - width / 2 for i in x], save, width, label="save (median)", color="#3b6ea8")
-    load_bars = ax.bar([i + width / 2 for i in x], load, width, label="load, cold cache (median)", color="#e08a2c")
+    save_bars = ax.bar([i - width for i in x], save, width, label="save (median)", color="#3b6ea8")
     for i, name in enumerate(names):
         runs = methods[name]["runs_save_gbps"]
-        ax.plot([i - width / 2] * len(runs), runs, "_", color="black", markersize=12)
+        ax.plot([i - width] * len(runs), runs, "_", color="black", markersize=12)
     ax.bar_label(save_bars, fmt="%.2f", fontsize=8)
-    ax.bar_label(load_bars, labels=[f"{v:.2f}" if v else "" for v in load], fontsize=8)
+    for shift, kind, color in ((0.0, "fresh", "#e08a2c"), (width, "touched", "#f2c27b")):
+        load = [load_gbps(methods[n], kind) for n in names]
+        bars = ax.bar([i + shift for i in x], load, width, label=f"load into {kind} targets, cold", color=color)
+        ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in load], fontsize=8)
     ax.set_xticks(list(x), names, rotation=20, ha="right")
     ax.set_ylabel("GB/s")
     engine = result["engine"]

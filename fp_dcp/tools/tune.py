@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from .. import FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from ..units import MiB, align_up
 from . import fio
-from .bench import evict
+from .workload import evict
 
 __all__ = [
     "LOAD_AXES",

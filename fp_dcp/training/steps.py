@@ -20,8 +20,10 @@ from typing import Literal
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError, DataDirectoryNotFoundError
-from ..format import METADATA_NAME, RETIRED_NAME
+from ..format import METADATA_NAME, RETIRED_NAME, parse_data_file_name
 from ..load.verify import verify_checkpoint
+from ..save import commit
+from ..save.commit import SaveLock
 from ..tiers import DURABLE_NAME, NODE_MARKER, REPLICATED_NAME, parse_step_name, step_name
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "step_state",
     "own_files",
     "inspect_step",
+    "remove_leftovers",
 ]
 
 Status = Literal["complete", "verified", "incomplete", "corrupt", "retired", "partial"]
@@ -59,6 +62,9 @@ class StepInfo:
     references: tuple[str, ...] = ()  # the directories (under the root, by name) of the files it references
     # the copies made besides this one: "replicated" (on peer nodes), "durable" (drained)
     copies: tuple[str, ...] = ()
+    # data files in its directory that it does not list: a save into it that died, or the files of the checkpoint
+    # it replaced whose removal a crash cut short (``remove_leftovers``); no part of the checkpoint
+    leftovers: tuple[str, ...] = ()
 
 
 def list_steps(root: str | os.PathLike[str], *, verify: bool = False) -> list[StepInfo]:
@@ -102,7 +108,8 @@ def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
     written = sum(max(sizes[name], 0) for name in checkpoint.own_files())
     references = tuple(sorted(os.path.basename(owner) for owner in checkpoint.referenced_checkpoints()))
     copies = tuple(label for label, marker in _COPIES if os.path.exists(os.path.join(path, marker)))
-    info = StepInfo(step, path, "complete", size, published, "", written, references, copies)
+    leftovers = tuple(sorted(set(_data_files(path)) - set(checkpoint.files)))
+    info = StepInfo(step, path, "complete", size, published, "", written, references, copies, leftovers)
     absent = [name for name, n in sizes.items() if n < 0]
     node = _node_of(path)
     if (
@@ -154,6 +161,22 @@ def own_files(path: str) -> list[str]:
     with contextlib.suppress(CheckpointError, OSError):
         return list(open_checkpoint(path).own_files().values())
     return []
+
+
+def remove_leftovers(path: str) -> list[str]:
+    """Remove a published step's ``leftovers`` (``StepInfo``), under its save lock; returns their names.
+
+    Raises ``CheckpointBusyError`` while a save into the step runs (its files in progress are not leftovers).
+    """
+    lock = SaveLock(path)
+    try:
+        return commit.remove_leftovers(path, set(open_checkpoint(path).files), set())
+    finally:
+        lock.release()
+
+
+def _data_files(path: str) -> list[str]:
+    return [name for name in os.listdir(path) if parse_data_file_name(name) is not None]
 
 
 def _size(path: str) -> int:

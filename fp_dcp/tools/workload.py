@@ -1,0 +1,157 @@
+"""What the benchmarks run on: a Llama-shaped state dict, the targets a load fills, cold caches, CPU and memory used.
+
+Load targets come in the two kinds users have (``targets``):
+
+- *fresh*: made by ``torch.empty_like`` just before the load, as a meta-device
+  model's ``to_empty()`` or ``from_pretrained(low_cpu_mem_usage=True)`` makes
+  them: memory nobody has written, each page's first write a fault;
+- *touched*: written before (``zeros_like``), as a model that has trained.
+
+glibc serves a large allocation from memory freed earlier in the process
+once its threshold for fresh mappings has grown past it (up to 32 MiB), so
+fresh targets would turn touched from the second round on;
+``fresh_allocations`` fixes the threshold, as a new process has it, so that
+every large tensor is mapped afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import resource
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "llm_state_dict",
+    "tensor_bytes",
+    "Targets",
+    "targets",
+    "fresh_allocations",
+    "PeakRSS",
+    "cpu_seconds",
+    "evict",
+]
+
+Targets = Literal["fresh", "touched"]
+
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
+_FRESH_THRESHOLD = 128 * 1024  # glibc's initial value: a new process's
+
+
+def llm_state_dict(total_bytes: int, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+    """About ``total_bytes`` of a Llama-shaped model's training state, its tensors made on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device).to(dtype)
+
+    h, ffn, vocab = 4096, 11008, 32000
+    sd: dict[str, Any] = {
+        "model.embed_tokens.weight": rand(vocab, h),
+        "lm_head.weight": rand(vocab, h),
+        "master.embed_tokens.weight": rand(vocab, h, dtype=torch.float32),
+        "model.norm.weight": rand(h, dtype=torch.float32),
+        "train_state": {"step": 1000, "lr": 3e-4, "data_position": list(range(64))},
+    }
+    used = sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor))
+    layer = 0
+    while used < total_bytes:
+        p = f"model.layers.{layer}."
+        shapes = {
+            "self_attn.q_proj": (h, h),
+            "self_attn.k_proj": (h, h),
+            "self_attn.v_proj": (h, h),
+            "self_attn.o_proj": (h, h),
+            "mlp.gate_proj": (ffn, h),
+            "mlp.up_proj": (ffn, h),
+            "mlp.down_proj": (h, ffn),
+        }
+        for name, shape in shapes.items():
+            if used >= total_bytes:
+                break
+            sd[p + name + ".weight"] = rand(*shape)
+            used += sd[p + name + ".weight"].nbytes
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            sd[p + name + ".weight"] = rand(h, dtype=torch.float32)
+            used += h * 4
+        for k in range(24):  # small per-layer state: scales, biases, step counters
+            sd[p + f"extra.{k}"] = rand(64, dtype=torch.float32)
+        sd[p + "step"] = torch.tensor(float(layer))
+        layer += 1
+    return sd
+
+
+def tensor_bytes(sd: dict[str, Any]) -> int:
+    return sum(v.nbytes for v in sd.values() if isinstance(v, torch.Tensor))
+
+
+def targets(sd: dict[str, Any], kind: Targets) -> dict[str, Any]:
+    """Tensors shaped as ``sd``'s to load into: ``fresh`` (never written) or ``touched`` (zeroed)."""
+    make = torch.empty_like if kind == "fresh" else torch.zeros_like
+    return {k: make(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def fresh_allocations() -> bool:
+    """Make every allocation of 128 KiB or more a fresh mapping for the rest of this process (glibc's
+    threshold fixed at a new process's value); False where this is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _FRESH_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakRSS:
+    """Samples this process's resident set every few milliseconds while active."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[PeakRSS]:
+        self.start = self.peak = self._rss()
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+            self._stop.clear()
+            self.peak = max(self.peak, self._rss())
+
+
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def evict(path: str) -> None:
+    """Drop ``path``'s pages (a file or every file under a directory) from the page cache."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if os.geteuid() == 0:
+        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
