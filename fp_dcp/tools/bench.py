@@ -176,7 +176,6 @@ def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: st
 
 def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # DCP warns that no process group is initialised
-    fresh_allocations()  # every fresh target mapped afresh, as in a new process
     sd = llm_state_dict(int(size_gb * GB))
     size = tensor_bytes(sd)
     workdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=directory)
@@ -387,6 +386,7 @@ def main(argv: list[str] | None = None, prog: str = "fp-dcp bench") -> int:
         from .plot import plot_bench, require_matplotlib
 
         require_matplotlib()  # before the run, not after minutes of it
+    fresh_allocations()  # every fresh target mapped afresh, as in a new process
     result = run(args.size_gb, args.dir, args.repeats, threads)
     print_report(result, args.repeats)
     if args.json:

@@ -35,6 +35,7 @@ from . import bench
 from .convert import FORMATS, convert
 from .inspect import human, inspect_checkpoint, plural, print_inspect
 from .tune import AxisResult, DiskLimit, tune
+from .workload import fresh_allocations
 
 __all__ = ["ProgressBar", "build_parser", "main"]
 
@@ -189,6 +190,7 @@ def _fio_line(fio: DiskLimit) -> str:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     size = int(args.size_mb * MiB)
+    fresh_allocations()  # the loads' fresh targets mapped afresh every time, as in a new process
     print(
         f"fp-dcp tune: saving and loading a {human(size)} state dict in {args.dir} for up to {args.budget:.0f} s",
         flush=True,

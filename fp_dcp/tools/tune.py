@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from .. import FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from ..units import MiB, align_up
 from . import fio
-from .workload import evict
+from .workload import evict, targets
 
 __all__ = [
     "LOAD_AXES",
@@ -90,19 +90,23 @@ class Axis:
 
 
 _SIZES = tuple(m * MiB for m in (4, 8, 16, 32, 64))
+_THREADS = (1, 2, 4, 8)
 SAVE_AXES = (
     Axis("direct_writes", (True, False)),
     Axis("queue_depth", (2, 4, 8, 16, 32)),
     Axis("block_size", _SIZES),
     Axis("lanes_per_dir", (1, 2, 4)),
     Axis("buffer_size", _SIZES[1:]),
+    Axis("host_threads", _THREADS),
 )
 LOAD_AXES = (
     Axis("direct_reads", (True, False)),
+    Axis("prepare_targets", (False,)),
     Axis("queue_depth", (2, 4, 8, 16, 32)),
     Axis("block_size", _SIZES),
     Axis("buffer_size", _SIZES[1:]),
     Axis("num_buffers", (2, 4, 8, 16)),
+    Axis("host_threads", _THREADS),
 )
 
 
@@ -428,7 +432,7 @@ def _load(
             load({"warm_up": torch.zeros(1)}, storage_reader=reader, checkpoint_id=warm_up, no_dist=True)
         start = time.perf_counter()
         evict(checkpoint)
-        load(state, storage_reader=reader, checkpoint_id=checkpoint, no_dist=True)
+        load(targets(state, "fresh"), storage_reader=reader, checkpoint_id=checkpoint, no_dist=True)
         seconds = time.perf_counter() - start
     if reader.last_load is None:
         raise RuntimeError("FastPersistReader recorded no summary of the load")
