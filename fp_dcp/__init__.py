@@ -22,6 +22,7 @@ from .errors import *  # noqa: F403  (the exception types are part of the public
 from .integrations.default_storage import install, install_from_environment, installed, is_installed, uninstall
 from .io.info import engine_info
 from .load.reader import FastPersistReader, LoadSummary
+from .load.safetensors_verify import SafetensorsVerifyReport
 from .load.verify import VerifyReport, verify_checkpoint
 from .save.planner import FastPersistSavePlanner
 from .save.safetensors import SafetensorsWriter
@@ -44,6 +45,7 @@ __all__ = [
     "engine_info",
     "verify_checkpoint",
     "VerifyReport",
+    "SafetensorsVerifyReport",
     "OverlappedCheckpointer",
     "CheckpointManager",
     "StepInfo",

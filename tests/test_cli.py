@@ -186,11 +186,29 @@ def test_convert_both_kinds(both, tmp_path, kind, to, capsys):
         assert "left out extra.step" in captured.err  # the left-out entry is named
         from safetensors.torch import load_file
 
-        assert torch.equal(load_file(dst)["model.w"], s["model"]["w"])
+        assert torch.equal(load_file(dst / "model-00001-of-00001.safetensors")["model.w"], s["model"]["w"])
+        assert main(["verify", str(dst)]) == 0
     elif to == "torch":
         assert torch.equal(torch.load(dst)["model"]["w"], s["model"]["w"])
     else:
         assert main(["verify", str(dst)]) == 0
+
+
+def test_convert_to_safetensors_shards_and_one_file(both, tmp_path, capsys):
+    pytest.importorskip("safetensors", reason="safetensors is in the test extra")
+    from safetensors.torch import load_file
+
+    paths, s = both
+    shards, one = tmp_path / "hf", tmp_path / "model.safetensors"
+    argv = ["convert", str(paths["fp"]), "--to", "safetensors", "--drop-non-tensors"]
+    assert main([*argv[:2], str(shards), *argv[2:], "--max-shard-size", "1KB"]) == 0
+    files = sorted(p.name for p in shards.iterdir())
+    assert files == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] + ["model.safetensors.index.json"]
+    assert main([*argv[:2], str(one), *argv[2:]]) == 0  # a .safetensors name: one file, as before
+    assert torch.equal(load_file(one)["model.w"], s["model"]["w"])
+    capsys.readouterr()
+    assert main([*argv[:2], str(tmp_path / "x"), *argv[2:], "--max-shard-size", "lots"]) == 1
+    assert "'lots' is not a size" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_convert_refuses_existing_destination_without_force(both, tmp_path, capsys):

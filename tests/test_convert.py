@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import warnings
 
@@ -16,9 +17,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp import FastPersistReader, FastPersistWriter, SafetensorsWriter, verify_checkpoint
 from fp_dcp.errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
-from fp_dcp.tools.convert import FORMATS, convert, detect_format, read_state_dict
+from fp_dcp.tools.convert import FORMATS, convert, detect_format, parse_size, read_state_dict, shard_mapping
 from fp_dcp.tools.inspect import inspect_checkpoint
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
@@ -170,6 +171,84 @@ def test_safetensors_with_tied_torch_tensors_and_back(tmp_path):
     for to in ("fp", "dcp", "torch"):
         convert(tmp_path / "tied.safetensors", tmp_path / f"back-{to}", to=to)
         assert_same_state(read_state_dict(tmp_path / f"back-{to}"), state)
+
+
+def shard_names(count: int) -> list[str]:
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def test_safetensors_directory_in_shards_loads_everywhere(tmp_path, fp_ckpt):
+    src, state = fp_ckpt
+    dst = tmp_path / "hf"
+    # 2 KB a file: the 2560-byte embed and its tied copy each alone (too big to share), the rest together.
+    summary = convert(src, dst, to="safetensors", drop_non_tensors=True, max_shard_size="2KB")
+    want = tensors_of(state)
+    assert (summary.tensors, summary.bytes) == (len(want), sum(t.nbytes for t in want.values()))
+    assert sorted(os.listdir(dst)) == [*shard_names(3), "model.safetensors.index.json"]
+    weight_map = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    names = shard_names(3)
+    assert weight_map == {"model.embed": names[0], "model.head": names[1]} | dict.fromkeys(
+        ["model.w", "model.ids", "model.scalar", "optim.lrs.1"], names[2]
+    )
+    for name in names:  # each shard is a file the safetensors package reads, holding what the index says
+        loaded = safetensors_torch.load_file(dst / name)
+        assert set(loaded) == {k for k, f in weight_map.items() if f == name}
+        assert all(same_bytes(loaded[k], want[k]) for k in loaded)
+    target = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(target, storage_reader=FastPersistReader(dst), no_dist=True)
+    assert all(same_bytes(target[k], want[k]) for k in want)
+    assert verify_checkpoint(dst).ok
+    assert detect_format(dst) == "safetensors"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no staging directory left
+
+
+def test_shards_follow_hugging_faces_rule():
+    tensors = {"a": torch.zeros(100, dtype=torch.uint8), "b": torch.zeros(60, dtype=torch.uint8)}
+    tensors |= {"big": torch.zeros(500, dtype=torch.uint8), "c": torch.zeros(40, dtype=torch.uint8)}
+    assert shard_mapping(tensors, 160) == {"a": 1, "b": 1, "big": 2, "c": 3}  # in order, at most 160 a file
+    assert shard_mapping(tensors, 10**9) == dict.fromkeys(tensors, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("5GB", 5 * 10**9), ("2GiB", 2 << 30), ("500mb", 5 * 10**8), (" 1.5 GB ", 15 * 10**8), ("4096", 4096), (7, 7)],
+)
+def test_shard_sizes_as_hugging_face_writes_them(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "GB", "0", -1])
+def test_bad_shard_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)
+
+
+def test_safetensors_directory_replaced_keeping_other_files(tmp_path, fp_ckpt):
+    src, state = fp_ckpt
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "config.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match="--force"):
+        convert(src, dst, to="safetensors", drop_non_tensors=True)
+    assert os.listdir(dst) == ["config.json"]
+    convert(src, dst, to="safetensors", drop_non_tensors=True, max_shard_size=1000, overwrite=True)
+    assert len(os.listdir(dst)) == 5  # config, three shards, index
+    convert(src, dst, to="safetensors", drop_non_tensors=True, overwrite=True)  # 5GB: one file
+    assert sorted(os.listdir(dst)) == ["config.json", *shard_names(1), "model.safetensors.index.json"]
+    loaded = safetensors_torch.load_file(dst / shard_names(1)[0])
+    assert all(same_bytes(loaded[k], v) for k, v in tensors_of(state).items())
+
+
+def test_failed_safetensors_directory_leaves_nothing(tmp_path, fp_ckpt, monkeypatch):
+    src, _ = fp_ckpt
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SafetensorsWriter, "finish", fail)
+    with pytest.raises(OSError, match="No space left"):
+        convert(src, tmp_path / "hf", to="safetensors", drop_non_tensors=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp"]  # neither the destination nor the staging
 
 
 class RowHalves(DefaultSavePlanner):

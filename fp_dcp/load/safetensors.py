@@ -27,6 +27,7 @@ lengths, not content.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 
@@ -55,13 +56,33 @@ from ..safetensors_format import (
 )
 from .catalog import Catalog, ChunkKey
 
-__all__ = ["SafetensorsCatalog", "open_safetensors"]
+__all__ = [
+    "SafetensorsCatalog",
+    "Header",
+    "open_safetensors",
+    "read_weight_map",
+    "checkpoint_files",
+    "read_header",
+    "catalogue",
+]
 
 
 class SafetensorsCatalog(Catalog):
     """Where each tensor of a safetensors checkpoint is; safetensors stores no checksums."""
 
     checksums = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """One file's header, checked: where its data starts, its tensors in data order, where each sits in its
+    whole tensor (``DCP_SHARDING_INFO``, else zeros), and the file's size."""
+
+    name: str
+    data_start: int
+    entries: list[Entry]
+    offsets: dict[str, tuple[int, ...]]
+    size: int
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> tuple[Metadata, SafetensorsCatalog]:
@@ -73,36 +94,13 @@ def open_safetensors(path: str | os.PathLike[str]) -> tuple[Metadata, Safetensor
         IncompatibleCheckpointError: a tensor of a dtype torch has not (sub-byte floats).
     """
     directory = os.fspath(path)
-    weight_map = _weight_map(directory)
-    names = sorted(set(weight_map.values())) if weight_map is not None else _listed(directory)
-    if not names:
-        raise NotACheckpointError(f"{directory} holds no {SUFFIX} files")
-    locations: dict[MetadataIndex, ItemLocation] = {}
-    chunks: dict[ChunkKey, tuple[torch.Size, torch.dtype]] = {}
-    where: dict[ChunkKey, str] = {}
-    paths = {name: os.path.join(directory, name) for name in names}
-    sizes: dict[str, int] = {}
-    for name in names:
-        stored = [] if weight_map is None else [t for t, f in weight_map.items() if f == name]
-        data_start, entries, offsets, sizes[name] = _read_header(paths[name], stored)
-        present = {e.name for e in entries}
-        for tensor in stored:
-            if tensor not in present:
-                raise CorruptCheckpointError(f"tensor {tensor!r} is listed in {INDEX_NAME} under {name}, not in it")
-        for e in entries:
-            key = (e.name, offsets[e.name])
-            if key in chunks:
-                raise CorruptCheckpointError(
-                    f"tensor {e.name!r}{_at(key)} is stored twice: in {where[key]} and in {name}"
-                )
-            chunks[key], where[key] = (torch.Size(e.shape), e.dtype), name
-            length = e.end - e.begin
-            locations[MetadataIndex(e.name, key[1])] = ItemLocation(name, data_start + e.begin, length, 0)
-    metadata = Metadata(_tensors(chunks, where), storage_data=dict(locations))
-    return metadata, SafetensorsCatalog(locations, chunks, paths, sizes)
+    weight_map = read_weight_map(directory)
+    names = checkpoint_files(directory, weight_map)
+    return catalogue(directory, [read_header(directory, name, weight_map) for name in names])
 
 
-def _weight_map(directory: str) -> dict[str, str] | None:
+def read_weight_map(directory: str) -> dict[str, str] | None:
+    """The index's ``weight_map`` (tensor name -> file), None where there is no index."""
     index = os.path.join(directory, INDEX_NAME)
     try:
         with open(index, "rb") as f:
@@ -111,12 +109,22 @@ def _weight_map(directory: str) -> dict[str, str] | None:
         return None
 
 
-def _listed(directory: str) -> list[str]:
-    return sorted(name for name in os.listdir(directory) if name.endswith(SUFFIX))
+def checkpoint_files(directory: str, weight_map: dict[str, str] | None) -> list[str]:
+    """The files of the checkpoint: those the index names, else every ``*.safetensors`` file there."""
+    names = (
+        sorted(set(weight_map.values()))
+        if weight_map is not None
+        else sorted(name for name in os.listdir(directory) if name.endswith(SUFFIX))
+    )
+    if not names:
+        raise NotACheckpointError(f"{directory} holds no {SUFFIX} files")
+    return names
 
 
-def _read_header(path: str, stored: list[str]) -> tuple[int, list[Entry], dict[str, tuple[int, ...]], int]:
-    """The data's start, the tensors, where each sits in its whole tensor, and the file's size."""
+def read_header(directory: str, name: str, weight_map: dict[str, str] | None) -> Header:
+    """File ``name``'s header, checked on its own and against the index (every tensor it lists there is in it)."""
+    path = os.path.join(directory, name)
+    stored = [] if weight_map is None else [t for t, f in weight_map.items() if f == name]
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -128,7 +136,31 @@ def _read_header(path: str, stored: list[str]) -> tuple[int, list[Entry], dict[s
         n = header_length(f.read(LENGTH_BYTES), size, path)
         entries, extra = parse_header(f.read(n), path)
     check_layout(entries, size - LENGTH_BYTES - n, path)
-    return LENGTH_BYTES + n, entries, chunk_offsets(entries, extra, path), size
+    present = {e.name for e in entries}
+    for tensor in stored:
+        if tensor not in present:
+            raise CorruptCheckpointError(f"tensor {tensor!r} is listed in {INDEX_NAME} under {name}, not in it")
+    return Header(name, LENGTH_BYTES + n, entries, chunk_offsets(entries, extra, path), size)
+
+
+def catalogue(directory: str, headers: list[Header]) -> tuple[Metadata, SafetensorsCatalog]:
+    """DCP's metadata and the catalogue of the files' headers: no tensor stored twice, chunks tiling each tensor."""
+    locations: dict[MetadataIndex, ItemLocation] = {}
+    chunks: dict[ChunkKey, tuple[torch.Size, torch.dtype]] = {}
+    where: dict[ChunkKey, str] = {}
+    for header in headers:
+        for e in header.entries:
+            key = (e.name, header.offsets[e.name])
+            if key in chunks:
+                raise CorruptCheckpointError(
+                    f"tensor {e.name!r}{_at(key)} is stored twice: in {where[key]} and in {header.name}"
+                )
+            chunks[key], where[key] = (torch.Size(e.shape), e.dtype), header.name
+            location = ItemLocation(header.name, header.data_start + e.begin, e.end - e.begin, 0)
+            locations[MetadataIndex(e.name, key[1])] = location
+    metadata = Metadata(_tensors(chunks, where), storage_data=dict(locations))
+    paths = {h.name: os.path.join(directory, h.name) for h in headers}
+    return metadata, SafetensorsCatalog(locations, chunks, paths, {h.name: h.size for h in headers})
 
 
 def _at(key: ChunkKey) -> str:

@@ -20,7 +20,8 @@ that never published) are not part of the checkpoint and are not examined.
 
 A torch ``FileSystemWriter`` checkpoint stores no checksums: for one, only the
 presence and sizes of its files are checked, and the report says so with
-``checksums=False`` (that alone does not make ``ok`` false).
+``checksums=False`` (that alone does not make ``ok`` false). A directory of
+Hugging Face safetensors files is checked by ``fp_dcp.load.safetensors_verify``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from .. import _cio
-from ..checkpoint import Checkpoint, open_checkpoint
+from ..checkpoint import Checkpoint, is_safetensors_directory, open_checkpoint
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
@@ -46,7 +48,15 @@ from ..io.progress import Progress, ProgressCallback
 from ..units import PAGE, MiB, align_up
 from .catalog import FastPersistCatalog
 
-__all__ = ["VerifyReport", "verify_checkpoint", "StreamCheck", "items_by_file"]
+__all__ = [
+    "VerifyReport",
+    "verify_checkpoint",
+    "StreamCheck",
+    "items_by_file",
+    "scan_resources",
+    "scan_ranges",
+    "FedRange",
+]
 
 # Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
 _READ = 16 * MiB
@@ -101,12 +111,18 @@ def verify_checkpoint(
     item) is a problem in it, not an exception.
 
     Raises:
-        NotACheckpointError: ``path`` holds no checkpoint (no ``.metadata``),
-            or ``data_dirs`` lists fewer directories than the save used.
+        NotACheckpointError: ``path`` holds no checkpoint (no ``.metadata``, no
+            safetensors files), or ``data_dirs`` lists fewer directories than the save used.
         IncompatibleCheckpointError: written by a newer fp-dcp format version,
             or on a host of the other byte order.
     """
     directory = os.fspath(path)
+    if is_safetensors_directory(directory):
+        from .safetensors_verify import verify_safetensors  # it builds on this module's report and reader
+
+        if data_dirs:
+            raise ValueError(f"{directory} is a safetensors checkpoint: data_dirs does not apply to it")
+        return verify_safetensors(directory, progress=progress)
     try:
         checkpoint = open_checkpoint(directory, data_dirs)
     except CorruptCheckpointError as e:
@@ -124,8 +140,7 @@ def verify_checkpoint(
 
     tracker = Progress("verify", sum(catalog.file_sizes.values()), callback=progress)
     checked = 0
-    read = min(_READ, align_up(max(catalog.file_sizes.values(), default=1), PAGE))  # small checkpoints, small buffers
-    io = IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))
+    io = scan_resources(max(catalog.file_sizes.values(), default=1))
     try:
         engine, pool = io.get()
         for name, items in by_file.items():
@@ -138,6 +153,12 @@ def verify_checkpoint(
         io.close()
     tracker.finish()
     return VerifyReport(directory, not problems, problems, len(catalog.locations), checked, len(catalog.paths))
+
+
+def scan_resources(largest: int) -> IOResources:
+    """An engine and buffers to read files of up to ``largest`` bytes front to back (small files, small buffers)."""
+    read = min(_READ, align_up(largest, PAGE))
+    return IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))
 
 
 def _check_metadata(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
@@ -163,6 +184,15 @@ def _check_metadata(metadata: Metadata, catalog: FastPersistCatalog) -> list[str
                 f"{describe_item(index, loc)}: the length does not match shape {list(shape[0])} of {shape[1]}"
             )
     return problems
+
+
+class FedRange(Protocol):
+    """Bytes ``start..stop`` of a file, fed to it in order as they are read."""
+
+    start: int
+    stop: int
+
+    def feed(self, data: memoryview, at: int) -> None: ...
 
 
 class _Segment:
@@ -268,7 +298,7 @@ def _verify_file(
             f.close()
             f = open_file(path, create=False, direct=False)
         try:
-            _scan(engine, f, pool, segments, tracker)
+            scan_ranges(engine, f, pool, segments, tracker)
         except OSError as e:  # CorruptCheckpointError too, if the file shrinks while being read
             problems.append(f"data file {path} could not be read ({e}); {_holds(items)}")
             return 0
@@ -336,8 +366,18 @@ def _holds(items: list[_Item]) -> str:
     return f"it holds {len(items)} item(s): {names}{more}"
 
 
-def _scan(engine: Engine, f: DataFile, pool: BufferPool, segments: list[_Segment], progress: Progress) -> None:
-    """Read the bytes the segments cover (in file order) through the read pipeline's window, feeding each."""
+def scan_ranges(
+    engine: Engine,
+    f: DataFile,
+    pool: BufferPool,
+    segments: Sequence[FedRange],
+    progress: Progress,
+    end: int | None = None,
+) -> None:
+    """Read the bytes the segments cover (in file order) through the read pipeline's window, feeding each.
+
+    ``end``: where the file ends, for a file whose end is not on the alignment (else every read is whole).
+    """
 
     def retire(extent: Extent, buffer: memoryview | None) -> None:
         assert buffer is not None  # segments have no memory of their own: every extent is staged
@@ -349,7 +389,7 @@ def _scan(engine: Engine, f: DataFile, pool: BufferPool, segments: list[_Segment
     try:
         for extent in plan_extents(pieces, f.align, pool.size, pool.size, 0.0):
             buffer = window.stage(extent.length)
-            window.push(engine.read(f, buffer, extent.file_offset), extent, buffer)
+            window.push(engine.read(f, buffer, extent.file_offset, end), extent, buffer)
         window.finish()
     except BaseException:
         window.abort()

@@ -28,11 +28,11 @@ from typing import TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import __version__, list_steps, remove_leftovers, verify_checkpoint
+from .. import SafetensorsVerifyReport, VerifyReport, __version__, list_steps, remove_leftovers, verify_checkpoint
 from ..io.progress import progress_text
 from ..units import MiB
 from . import bench
-from .convert import FORMATS, convert
+from .convert import FORMATS, MAX_SHARD_SIZE, convert
 from .inspect import human, inspect_checkpoint, plural, print_inspect
 from .tune import AxisResult, DiskLimit, tune
 from .workload import fresh_allocations
@@ -111,11 +111,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"BAD  {problem}")
         verdict = "intact" if intact else f"DAMAGED ({plural(len(report.problems), 'problem')})"
-        checked = (
-            f"{human(report.bytes)} checked" if report.checksums else "no checksums stored (files and sizes checked)"
-        )
-        print(f"{args.path}: {verdict}: {plural(report.items, 'item')}, {checked}, in {seconds:.1f} s")
+        print(f"{args.path}: {verdict}: {_checked(report)}, in {seconds:.1f} s")
     return 0 if intact else 1
+
+
+def _checked(report: VerifyReport) -> str:
+    """What ``verify`` checked, for its last line."""
+    if isinstance(report, SafetensorsVerifyReport):
+        read = f"{plural(report.items, 'tensor')} in {plural(report.files, 'file')}, {human(report.read_bytes)} read"
+        if not report.hashed_files:
+            return f"{read}; structure checked, no checksums stored (none recorded by a Hugging Face download)"
+        return f"{read}; structure checked, {report.hashed_files} of {report.files} against Hugging Face's SHA-256"
+    checked = f"{human(report.bytes)} checked" if report.checksums else "no checksums stored (files and sizes checked)"
+    return f"{plural(report.items, 'item')}, {checked}"
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -155,6 +163,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             data_dirs=args.data_dirs or None,
             overwrite=args.force,
             drop_non_tensors=args.drop_non_tensors,
+            max_shard_size=args.max_shard_size,
             progress=bar,
         )
     finally:
@@ -305,13 +314,22 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.save files are pickles: convert only files you trust.",
     )
     p.add_argument("src", help="source checkpoint directory or file")
-    p.add_argument("dst", help="destination directory (fp, dcp) or file (torch, safetensors)")
+    p.add_argument(
+        "dst", help="destination directory (fp, dcp, safetensors) or file (torch; safetensors named *.safetensors)"
+    )
     p.add_argument("--to", required=True, choices=FORMATS, help="target format")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
     p.add_argument(
         "--drop-non-tensors",
         action="store_true",
         help="for safetensors (tensors only): leave out non-tensor entries instead of refusing",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help=f"for a safetensors directory: the most bytes per file, as Hugging Face's max_shard_size "
+        f"(default {MAX_SHARD_SIZE}; 500MB, 2GiB, or bytes); a larger tensor gets a file of its own",
     )
     p.set_defaults(run=_cmd_convert)
 

@@ -5,10 +5,14 @@
 
 Formats: ``fp`` (a ``FastPersistWriter`` checkpoint directory), ``dcp`` (a
 torch ``FileSystemWriter`` checkpoint directory), ``torch`` (one
-``torch.save`` file) and ``safetensors`` (one file; needs the ``safetensors``
-package: ``pip install fp-dcp[safetensors]``). A source may also be a
-Hugging Face directory of safetensors files (``fp_dcp.load.safetensors``),
-read by ``FastPersistReader`` without the package. The source's format is
+``torch.save`` file) and ``safetensors``: a directory laid out as Hugging
+Face's ``save_pretrained`` lays it out, written by ``SafetensorsWriter``
+(files ``model-0000i-of-0000N.safetensors`` of at most ``max_shard_size``
+bytes each and ``model.safetensors.index.json``), or, for a destination
+named ``*.safetensors``, one file (needs the ``safetensors`` package:
+``pip install fp-dcp[safetensors]``). A source may also be a Hugging Face
+directory of safetensors files (``fp_dcp.load.safetensors``), read by
+``FastPersistReader`` without the package. The source's format is
 recognised from its contents.
 
 How: DCP's own machinery wherever it exists.
@@ -22,8 +26,18 @@ How: DCP's own machinery wherever it exists.
   through torch's ``FileSystemReader``), and the planner counts the bytes
   read, for progress; ``dcp_to_torch_save`` itself offers neither.
 - DCP destinations are written with ``torch.distributed.checkpoint.save``
-  (``FastPersistWriter`` or ``FileSystemWriter``); file destinations are
-  written under a temporary name, fsynced and renamed into place.
+  (``FastPersistWriter`` or ``FileSystemWriter``), and so are safetensors
+  directories (``SafetensorsWriter``); file destinations are written under a
+  temporary name, fsynced and renamed into place.
+- Safetensors shards follow Hugging Face's rule (``huggingface_hub``'s
+  ``split_torch_state_dict_into_shards``): tensors in the state dict's
+  order, a new file where the next tensor would take the current one past
+  ``max_shard_size``, a tensor larger than that in a file of its own. The
+  directory is written beside the destination and renamed into place, so
+  a new destination appears whole or not at all; over an existing one
+  (``overwrite``), whose other files (``config.json``, a tokenizer) stay,
+  the old checkpoint's files are removed and the new ones moved in, the
+  index last.
 
 Memory: the whole state dict is held in host memory once, every tensor at
 full size on the CPU, whatever the direction (torch.save files are loaded
@@ -51,6 +65,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
+import secrets
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -64,12 +81,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_saver import save
 
-from .. import FastPersistReader, FastPersistWriter, compat
+from .. import FastPersistReader, FastPersistWriter, SafetensorsWriter, compat
 from ..checkpoint import is_safetensors_directory, open_checkpoint, published_files
-from ..errors import CheckpointExistsError, NotACheckpointError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME
-from ..io.files import replace_durably
+from ..io.files import fsync_directory, replace_durably
 from ..io.progress import Progress, ProgressCallback
+from ..safetensors_format import INDEX_NAME, SUFFIX, parse_index
 
 __all__ = [
     "FORMATS",
@@ -78,11 +96,18 @@ __all__ = [
     "convert",
     "detect_format",
     "read_state_dict",
+    "MAX_SHARD_SIZE",
+    "parse_size",
+    "shard_mapping",
 ]
 
 Format = Literal["fp", "dcp", "torch", "safetensors"]
 FORMATS: tuple[Format, ...] = ("fp", "dcp", "torch", "safetensors")
 log = logging.getLogger(__name__)
+
+MAX_SHARD_SIZE = "5GB"  # Hugging Face's default (huggingface_hub, transformers' save_pretrained)
+_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 # Without a process group DCP warns on every call that it assumes a single process; that is the point here.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
@@ -179,19 +204,24 @@ def convert(
     data_dirs: Sequence[str | os.PathLike[str]] | None = None,
     overwrite: bool = False,
     drop_non_tensors: bool = False,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
     progress: ProgressCallback | None = None,
 ) -> ConvertSummary:
     """Write the checkpoint or file at ``src`` to ``dst`` in format ``to``.
 
     Args:
         src: a checkpoint directory or a file in any of ``FORMATS``.
-        dst: the directory (``fp``, ``dcp``) or file (``torch``, ``safetensors``) to create.
+        dst: the directory (``fp``, ``dcp``, ``safetensors``) or file (``torch``, and ``safetensors`` for a
+            name ending in ``.safetensors`` or an existing file) to create.
         to: the target format.
         data_dirs: the ``data_dirs`` an fp-dcp ``src`` was saved with, if any.
         overwrite: replace an existing ``dst``; without it an existing one is an error.
         drop_non_tensors: for safetensors, which stores tensors only, leave out
             the non-tensor entries (they are listed in the summary) instead of
             refusing to convert.
+        max_shard_size: for a safetensors directory, the most tensor bytes per
+            file, in bytes or as Hugging Face writes it (``"5GB"``, ``"500MB"``,
+            ``"2GiB"``); a larger tensor gets a file of its own.
         progress: called with ``(bytes_done, bytes_total)`` while a checkpoint
             directory is read.
 
@@ -203,6 +233,7 @@ def convert(
     source = detect_format(src)
     if os.path.realpath(src) == os.path.realpath(dst):
         raise ValueError(f"source and destination are the same path: {src}")
+    shard_bytes = parse_size(max_shard_size)
     _check_destination(dst, to, overwrite)
     start = time.perf_counter()
     if source == "torch" and to == "dcp":
@@ -222,6 +253,8 @@ def convert(
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
     if to in ("fp", "dcp"):
         _write_checkpoint(state, dst, to, overwrite)
+    elif to == "safetensors" and not _one_file(dst):
+        _write_safetensors_directory(state, dst, shard_bytes)
     else:
         _write_file(state, dst, to)
     seconds = time.perf_counter() - start
@@ -264,14 +297,45 @@ def _tensor_totals(metadata: Metadata) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
+def parse_size(size: int | str) -> int:
+    """Bytes, from an int or a size as Hugging Face writes one: ``"5GB"`` (10**9), ``"2GiB"`` (2**30), ``"500MB"``."""
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]i?B)?\s*", size, re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"{size!r} is not a size: give bytes, or a number and KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        size = int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+    if size <= 0:
+        raise ValueError(f"a shard size must be positive, not {size}")
+    return size
+
+
+def shard_mapping(tensors: dict[str, torch.Tensor], max_shard_size: int) -> dict[str, int]:
+    """The file (1 to N) of each tensor, by Hugging Face's rule (see the module's docstring)."""
+    mapping: dict[str, int] = {}
+    index, used = 1, 0
+    for name, tensor in tensors.items():
+        if used and used + tensor.nbytes > max_shard_size:
+            index, used = index + 1, 0
+        mapping[name] = index
+        used += tensor.nbytes
+    return mapping
+
+
+def _one_file(dst: str) -> bool:
+    """A safetensors destination that is one file rather than a directory of shards."""
+    return dst.endswith(SUFFIX) or os.path.isfile(dst)
+
+
 def _check_destination(dst: str, to: Format, overwrite: bool) -> None:
     if not os.path.lexists(dst):
         return
     is_dir = os.path.isdir(dst)
-    if to in ("fp", "dcp") and not is_dir:
+    if (to in ("fp", "dcp") or (to == "safetensors" and not _one_file(dst))) and not is_dir:
         raise NotADirectoryError(f"{dst} exists and is not a directory; a {to} checkpoint is a directory")
-    if to in ("torch", "safetensors") and is_dir:
-        raise IsADirectoryError(f"{dst} is a directory; a {to} checkpoint is one file")
+    if (to == "torch" or (to == "safetensors" and _one_file(dst))) and is_dir:
+        raise IsADirectoryError(
+            f"{dst} is a directory; a {to} file is one file (name a directory without .safetensors)"
+        )
     if not overwrite and (not is_dir or os.listdir(dst)):
         raise CheckpointExistsError(f"{dst} exists and is not empty; pass overwrite=True (--force) to replace it")
 
@@ -325,6 +389,45 @@ def _write_checkpoint(state: dict[str, Any], dst: str, to: Format, overwrite: bo
         else:
             _remove_checkpoint(dst)
             save(state, storage_writer=FileSystemWriter(dst), no_dist=True)
+
+
+def _write_safetensors_directory(tensors: dict[str, Any], dst: str, max_shard_size: int) -> None:
+    """Shards and index through ``SafetensorsWriter``, into a directory beside ``dst``, then put in place."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    staging = os.path.join(parent, f".{os.path.basename(dst)}.{secrets.token_hex(4)}.tmp")
+    os.mkdir(staging)  # with the umask's permissions, which the destination keeps
+    try:
+        with (
+            SafetensorsWriter(staging, fqn_to_index_mapping=shard_mapping(tensors, max_shard_size)) as writer,
+            warnings.catch_warnings(),
+            _own_errors(),
+        ):
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+            save(tensors, storage_writer=writer, no_dist=True)
+        if not os.path.isdir(dst) or not os.listdir(dst):
+            os.replace(staging, dst)  # a new (or empty) directory: the whole checkpoint appears at once
+        else:
+            _remove_checkpoint(dst)
+            _remove_safetensors(dst)
+            for name in sorted(os.listdir(staging), key=lambda n: n == INDEX_NAME):  # the index last
+                os.replace(os.path.join(staging, name), os.path.join(dst, name))
+            fsync_directory(dst)
+        fsync_directory(parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_safetensors(directory: str) -> None:
+    """Remove the safetensors checkpoint in ``directory`` (its index first); its other files stay."""
+    index = os.path.join(directory, INDEX_NAME)
+    try:
+        with open(index, "rb") as f:
+            names = set(parse_index(f.read(), index).values())
+    except (FileNotFoundError, CorruptCheckpointError):  # no index, or a damaged one: every file was the checkpoint
+        names = {name for name in os.listdir(directory) if name.endswith(SUFFIX)}
+    for name in [INDEX_NAME, *sorted(names)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
 
 
 def _write_file(state: dict[str, Any], dst: str, to: Format) -> None:

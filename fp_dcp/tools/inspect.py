@@ -1,4 +1,9 @@
-"""``fp-dcp inspect``: what a checkpoint holds, as a dict (``--json``) or a table."""
+"""``fp-dcp inspect``: what a checkpoint holds, as a dict (``--json``) or a table.
+
+fp-dcp and stock DCP checkpoints are read through ``open_checkpoint``; a
+directory of Hugging Face safetensors files through ``FastPersistReader``'s
+metadata, every header checked as a load checks it.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint import open_checkpoint
+from .. import FastPersistReader
+from ..checkpoint import is_safetensors_directory, open_checkpoint
 from ..format import ItemLocation
+from ..safetensors_format import INDEX_NAME
 
 __all__ = ["inspect_checkpoint", "print_inspect", "human", "plural"]
 
@@ -19,17 +26,69 @@ def inspect_checkpoint(
 ) -> dict[str, Any]:
     """What ``fp-dcp inspect --json`` prints: format, writer, every item, the files, where they are, totals.
 
-    Works on fp-dcp and stock DCP (``FileSystemWriter``) checkpoints. ``bytes``
+    Works on fp-dcp and stock DCP (``FileSystemWriter``) checkpoints, and on
+    directories of safetensors files (``format`` ``safetensors``). ``bytes``
     are the stored bytes (for stock checkpoints, torch.save records).
     ``data_dirs``: where the data directories are now, if they moved
     (``paths`` then shows where each file was found).
     """
     path = os.fspath(path)
+    if is_safetensors_directory(path):
+        if data_dirs:
+            raise ValueError(f"{path} is a safetensors checkpoint: data_dirs does not apply to it")
+        return _inspect_safetensors(path)
     checkpoint = open_checkpoint(path, data_dirs)
     kind, metadata, footer = checkpoint.kind, checkpoint.metadata, checkpoint.footer
+    items = _items(metadata, own_locations=footer is not None)
+    if footer is not None:
+        files = {name: entry["size"] for name, entry in footer["files"].items()}
+        about = {
+            "format": kind,
+            "format_version": footer["format_version"],
+            "writer": "fp-dcp FastPersistWriter",
+            "engine": footer.get("engine"),  # the coordinator's engine and I/O mode
+            "save_id": footer.get("save_id"),
+            "data_dirs": footer.get("data_dirs") or [],
+        }
+    else:
+        names = sorted({name for item in items for name in item["files"]})
+        found = {n: checkpoint.files[n] for n in names if os.path.exists(checkpoint.files[n])}
+        files = {n: os.path.getsize(p) for n, p in found.items()}
+        storage_meta = metadata.storage_meta
+        about = {
+            "format": kind,
+            "format_version": None,
+            "writer": "torch FileSystemWriter",
+            "engine": None,
+            "save_id": storage_meta.save_id if storage_meta is not None else None,
+            "data_dirs": [],
+        }
+    return _summary(path, about, metadata, items, files, checkpoint.files)
+
+
+def _inspect_safetensors(path: str) -> dict[str, Any]:
+    with FastPersistReader(path) as reader:
+        metadata = reader.read_metadata()
+    indexed = os.path.isfile(os.path.join(path, INDEX_NAME))
+    about: dict[str, Any] = {
+        "format": "safetensors",
+        "format_version": None,
+        "writer": f"Hugging Face safetensors ({f'indexed by {INDEX_NAME}' if indexed else 'no index'})",
+        "engine": None,
+        "save_id": None,
+        "data_dirs": [],
+    }
+    items = _items(metadata, own_locations=True)
+    paths = {name: os.path.join(path, name) for name in sorted({n for item in items for n in item["files"]})}
+    return _summary(path, about, metadata, items, {n: os.path.getsize(p) for n, p in paths.items()}, paths)
+
+
+def _items(metadata: Metadata, *, own_locations: bool) -> list[dict[str, Any]]:
+    """One entry per fqn. ``own_locations``: the storage data are ``ItemLocation``s (fp-dcp's, safetensors'),
+    else torch ``FileSystemWriter``'s."""
     stored: dict[str, list[tuple[str, int]]] = {}
     for index, value in metadata.storage_data.items():
-        if footer is not None:
+        if own_locations:
             location = ItemLocation._make(value)
             entry = (location.file, location.length)
         else:
@@ -44,29 +103,17 @@ def inspect_checkpoint(
             item.update(type="tensor", dtype=dtype, shape=list(md.size), chunks=len(md.chunks))
         item.update(bytes=sum(length for _, length in pieces), files=sorted({name for name, _ in pieces}))
         items.append(item)
-    if footer is not None:
-        files = {name: entry["size"] for name, entry in footer["files"].items()}
-        about = {
-            "format": kind,
-            "format_version": footer["format_version"],
-            "writer": "fp-dcp FastPersistWriter",
-            "engine": footer.get("engine"),  # the coordinator's engine and I/O mode
-            "save_id": footer.get("save_id"),
-            "data_dirs": footer.get("data_dirs") or [],
-        }
-    else:
-        names = sorted({name for pieces in stored.values() for name, _ in pieces})
-        found = {n: checkpoint.files[n] for n in names if os.path.exists(checkpoint.files[n])}
-        files = {n: os.path.getsize(p) for n, p in found.items()}
-        storage_meta = metadata.storage_meta
-        about = {
-            "format": kind,
-            "format_version": None,
-            "writer": "torch FileSystemWriter",
-            "engine": None,
-            "save_id": storage_meta.save_id if storage_meta is not None else None,
-            "data_dirs": [],
-        }
+    return items
+
+
+def _summary(
+    path: str,
+    about: dict[str, Any],
+    metadata: Metadata,
+    items: list[dict[str, Any]],
+    files: dict[str, int],
+    paths: dict[str, str],
+) -> dict[str, Any]:
     tensors = sum(item["type"] == "tensor" for item in items)
     return {
         "path": path,
@@ -74,7 +121,7 @@ def inspect_checkpoint(
         "dcp_metadata_version": metadata.version,
         "items": items,
         "files": files,
-        "paths": {name: checkpoint.files[name] for name in files},
+        "paths": {name: paths[name] for name in files},
         "totals": {
             "items": len(items),
             "tensors": tensors,
@@ -112,9 +159,12 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 
 def print_inspect(info: dict[str, Any]) -> None:
-    kind = f"fp-dcp format version {info['format_version']}" if info["format"] == "fp" else "torch DCP"
     print(f"checkpoint: {info['path']}")
-    print(f"format:     {info['format']} ({kind}, DCP metadata {info['dcp_metadata_version']})")
+    if info["format"] == "safetensors":
+        print("format:     safetensors")
+    else:
+        kind = f"fp-dcp format version {info['format_version']}" if info["format"] == "fp" else "torch DCP"
+        print(f"format:     {info['format']} ({kind}, DCP metadata {info['dcp_metadata_version']})")
     print(f"written by: {info['writer']}")
     if info["engine"]:
         print(f"engine:     {info['engine']}")
