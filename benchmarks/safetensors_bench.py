@@ -1,29 +1,44 @@
 #!/usr/bin/env python3
 """Loading a Hugging Face safetensors checkpoint: fp-dcp against torch's HuggingFaceStorageReader, the
-safetensors package and the disk's limit, on 1 rank and on 4 gloo ranks as 2 nodes (FSDP2).
+safetensors package, Run:ai's model streamer, fastsafetensors and the disk's limit, into fresh and into
+touched targets; and on 4 gloo ranks as 2 nodes (FSDP2).
 
+    sudo .venv/bin/pip install -r benchmarks/requirements-safetensors.txt   # the peers, once
     sudo .venv/bin/python benchmarks/safetensors_bench.py [--gb 4] [--shards 4] [--rounds 2] [--dir DIR]
+        [--device cpu|cuda] [--targets fresh,touched] [--no-ranks]
 
 The checkpoint: a Llama-shaped bf16 model (hidden 4096, intermediate 11008,
 vocabulary 32000, as many layers as make ``--gb`` GiB) written by the
 safetensors package in ``--shards`` files with ``model.safetensors.index.json``,
 as the Hugging Face hub serves it. Every load is cold: the files' pages are
-evicted (posix_fadvise DONTNEED, and drop_caches when root) before it.
+evicted (posix_fadvise DONTNEED, and drop_caches when root) before it, and
+every loader is made anew.
 
-1 rank, into a state of bf16 tensors allocated and touched once:
+1 rank, into a state dict of bf16 targets on ``--device``, of two kinds:
 
-- fp-dcp: ``dcp.load(..., storage_reader=FastPersistReader(dir))``;
-- ``HuggingFaceStorageReader(dir, thread_count=1)`` and ``thread_count=4``;
-- the safetensors package: ``load_file`` per shard, copied into the state;
-  and ``safe_open`` with ``get_slice(name)[:]`` per tensor (its slicing API);
-- fio reading a file of the same size (``--rw=read --bs=8M --iodepth=32
-  --direct=1 --ioengine=io_uring``) from buffers in huge pages
-  (``--iomem=shmhuge``; ``fp_dcp.tools.fio`` reserves the huge pages as root
-  and gives them back; without them, fio's plain buffers, and the report
-  says why).
+- fresh: ``torch.empty``, never written before the load, as a meta-device
+  model's ``to_empty()`` gives them: the load pays the first touch of every
+  page (on the CPU). Allocations of 1 MiB and more are mapped afresh each
+  time (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so a load's targets are
+  pages this process never touched, as in a new process;
+- touched: zeroed before the load, untimed.
 
-4 ranks (``FP_DCP_NODE`` puts ranks 0-1 and 2-3 on two nodes), each with the
-model built on the meta device, sharded by ``fully_shard`` and materialized:
+The loaders (``safetensors_peers.py``): fp-dcp (``dcp.load`` with
+``FastPersistReader``); ``HuggingFaceStorageReader`` ``thread_count`` 1 and
+4; ``safetensors.torch.load_file``; runai-model-streamer; fastsafetensors
+without GDS. A peer that is not installed is named and left out. And fio
+reading a file of the same size (``--rw=read --bs=8M --iodepth=32
+--direct=1 --ioengine=io_uring``) from buffers in huge pages
+(``--iomem=shmhuge``; ``fp_dcp.tools.fio`` reserves them as root and gives
+them back; without them, fio's plain buffers, and the report says why).
+
+Every load is checked bit for bit (untimed): the XXH3-128 of each target's
+bytes against that of the tensor the safetensors package reads from the
+files.
+
+4 ranks (``FP_DCP_NODE`` puts ranks 0-1 and 2-3 on two nodes; not with
+``--no-ranks``), each with the model built on the meta device, sharded by
+``fully_shard`` and materialized, touched:
 fp-dcp against ``HuggingFaceStorageReader``, wall time (slowest rank) and the
 bytes the disk served during the load (``/proc/diskstats`` of the device
 holding the directory, from when every rank is ready to load; other I/O to
@@ -31,17 +46,23 @@ that disk counts too), against the checkpoint's size: read once is 1.0x.
 The two "nodes" share this machine's page cache, which serves
 ``HuggingFaceStorageReader``'s second reader of a page from memory; on two
 real nodes each would read it from the storage. fp-dcp reads with O_DIRECT,
-so its count is what each node would read from a shared filesystem.
+so its count is what each node would read from shared storage.
 
-Reported: median GB/s of each method (of the checkpoint's tensor bytes),
-CPU-seconds per GB (this process and its children), ratios side by side.
-Methods alternate, ``--rounds`` times. The goals: 1 rank at least 0.9x fio
-and 2x ``HuggingFaceStorageReader``; 4 ranks reading each byte once.
+Reported: median GB/s of each loader (of the checkpoint's tensor bytes), its
+ratio to fio, CPU-seconds per GB (this process and its children), whether
+every load was bit-exact; methods alternate, ``--rounds`` times. The bars, for
+each kind of target: fp-dcp at least 0.95x fio and ahead of every other
+loader; where the best of them is below 0.8x fio, at least 1.2x it. The exit
+status is 1 if a load was not bit-exact.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -58,9 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed.checkpoint as dcp
 from ranks import spawn
+from safetensors_peers import Targets, loaders
 from torch import nn
 
-from fp_dcp import FastPersistReader
+from fp_dcp import FastPersistReader, _cio
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.tools.fio import Fio, reference
@@ -129,36 +151,40 @@ def shard_files(directory: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- 1 rank
 
+KINDS = ("fresh", "touched")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
-def one_rank_methods(directory: str, target: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
-    from safetensors import safe_open
+
+def map_afresh() -> None:
+    """Allocations of 1 MiB and more mmapped anew and unmapped when freed (glibc otherwise raises the threshold
+    as memory is freed, and a later load's "fresh" targets would reuse touched heap pages)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not libc.mallopt(M_MMAP_THRESHOLD, 1 << 20):
+        print("note: mallopt(M_MMAP_THRESHOLD) refused: fresh targets may reuse touched pages")
+
+
+def make_targets(shapes: dict[str, tuple[int, ...]], kind: str, device: str) -> Targets:
+    targets = {name: torch.empty(shape, dtype=torch.bfloat16, device=device) for name, shape in shapes.items()}
+    if kind == "touched":
+        for t in targets.values():
+            t.zero_()  # every page written
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return targets
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """XXH3-128 of the tensor's bytes (on the host); BLAKE2b where fp-dcp was built without libxxhash."""
+    hasher = _cio.Hash128() if hasattr(_cio, "Hash128") else hashlib.blake2b(digest_size=16)
+    hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.hexdigest()
+
+
+def reference_digests(directory: str) -> dict[str, str]:
+    """Each tensor's digest as the safetensors package reads it from the files (untimed)."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    def fp() -> None:
-        dcp.load(target, storage_reader=FastPersistReader(directory), no_dist=True)
-
-    def hf(threads: int) -> Callable[[], None]:
-        return lambda: dcp.load(target, storage_reader=HuggingFaceStorageReader(directory, threads), no_dist=True)
-
-    def whole_files() -> None:
-        for path in shard_files(directory):
-            for name, tensor in load_file(path).items():
-                target[name].copy_(tensor)
-
-    def slices() -> None:
-        for path in shard_files(directory):
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    target[name].copy_(f.get_slice(name)[:])
-
-    return {
-        "fp-dcp": fp,
-        "HuggingFaceStorageReader t=1": hf(1),
-        "HuggingFaceStorageReader t=4": hf(4),
-        "safetensors load_file": whole_files,
-        "safetensors safe_open slices": slices,
-    }
+    return {name: digest(t) for path in shard_files(directory) for name, t in load_file(path).items()}
 
 
 def fio_read(fio: Fio, path: str, size: int) -> Callable[[], None]:
@@ -170,52 +196,80 @@ def fio_read(fio: Fio, path: str, size: int) -> Callable[[], None]:
     return run
 
 
-def run_one_rank(directory: str, size: int, rounds: int, scratch: str) -> dict[str, list[tuple[float, float]]]:
-    target = {}
-    with open(os.path.join(directory, INDEX)) as f:
-        names = json.load(f)["weight_map"]
-    from safetensors import safe_open
+def timed(load: Callable[[], None], size: int, device: str) -> tuple[float, float]:
+    """GB/s and CPU-seconds per GB of one load."""
+    cpu0 = cpu_seconds() + cpu_seconds(-1)
+    start = time.perf_counter()
+    load()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return size / seconds / GB, (cpu_seconds() + cpu_seconds(-1) - cpu0) / (size / GB)
 
-    for path in shard_files(directory):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                target[name] = torch.zeros(f.get_slice(name).get_shape(), dtype=torch.bfloat16)
-    assert set(target) == set(names)
-    methods = one_rank_methods(directory, target)
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+
+Results = dict[str, dict[str, list[tuple[float, float]]]]  # kind -> method -> (GB/s, CPU-s/GB) per round
+
+
+def run_one_rank(
+    directory: str, shapes: dict, size: int, rounds: int, scratch: str, device: str, kinds: list[str]
+) -> tuple[Results, str, dict[str, int]]:
+    """The rounds; also fio's row name ("" without fio) and, per kind and loader, the loads that were not exact."""
+    methods, missing = loaders(directory, shard_files(directory), device)
+    for name, why in missing.items():
+        print(f"{name}: {why}: left out")
+    want = reference_digests(directory)
+    results: Results = {kind: {name: [] for name in methods} for kind in kinds}
+    wrong: dict[str, int] = {}
     fio_file = os.path.join(scratch, "fio-file")
     with reference() as fio:  # huge pages, where reserved, are given back when the rounds end
         fio_name = ""
         if fio is not None:
             fio_name = f"fio read depth {fio.depth}, {fio.buffers}"
-            methods[fio_name] = fio_read(fio, fio_file, size)
-            results[fio_name] = []
+            read = fio_read(fio, fio_file, size)
         for r in range(rounds):
-            for name, load in methods.items():
-                checked = r == 0 and name == "fp-dcp"
-                if checked:
-                    for tensor in target.values():
-                        tensor.zero_()  # untimed: what the check then finds, fp-dcp wrote
-                evict(fio_file if name == fio_name else directory)
-                cpu0 = cpu_seconds() + cpu_seconds(-1)
-                start = time.perf_counter()
-                load()
-                seconds = time.perf_counter() - start
-                cpu = cpu_seconds() + cpu_seconds(-1) - cpu0
-                results[name].append((size / seconds / GB, cpu / (size / GB)))
-                print(f"round {r + 1} 1 rank {name}: {results[name][-1][0]:.3f} GB/s", flush=True)
-                if checked:
-                    check_one_rank(directory, target)
-    return results
+            if fio is not None:
+                evict(fio_file)
+                result = timed(read, size, "cpu")
+                for kind in kinds:
+                    results[kind].setdefault(fio_name, []).append(result)
+                print(f"round {r + 1} {fio_name}: {result[0]:.3f} GB/s", flush=True)
+            for kind in kinds:
+                for name, load in methods.items():
+                    target = make_targets(shapes, kind, device)
+                    evict(directory)
+                    results[kind][name].append(timed(functools.partial(load, target), size, device))
+                    bad = sum(digest(target[n]) != want[n] for n in want)  # untimed
+                    if bad:
+                        wrong[f"{kind} {name}"] = wrong.get(f"{kind} {name}", 0) + 1
+                        print(f"  NOT BIT-EXACT: {name} into {kind} targets: {bad} tensors differ", flush=True)
+                    gbps = results[kind][name][-1][0]
+                    print(f"round {r + 1} {kind} targets, {name}: {gbps:.3f} GB/s", flush=True)
+                    del target  # before the next targets: one set in memory at a time
+    return results, fio_name, wrong
 
 
-def check_one_rank(directory: str, target: dict[str, torch.Tensor]) -> None:
-    """What was loaded equals what the safetensors package reads (untimed)."""
-    from safetensors.torch import load_file
-
-    for path in shard_files(directory):
-        for name, tensor in load_file(path).items():
-            assert torch.equal(target[name], tensor), f"{name} differs"
+def report_one_rank(results: Results, fio_name: str, wrong: dict[str, int], rounds: int, device: str) -> None:
+    for kind, table in results.items():
+        what = "torch.empty, never written before the load" if kind == "fresh" else "zeroed before the load"
+        print(f"\n1 rank, {kind} targets on {device} ({what}), median of {rounds}:")
+        med = {name: statistics.median(g for g, _ in v) for name, v in table.items()}
+        fio = med.get(fio_name)
+        print(f"  {'loader':<44} {'GB/s':>7} {'x fio':>6} {'CPU-s/GB':>9}  bit-exact")
+        for name, v in table.items():
+            ratio = f"{med[name] / fio:6.2f}" if fio else f"{'-':>6}"
+            exact = "-" if name == fio_name else "NO" if f"{kind} {name}" in wrong else "yes"
+            cpu = statistics.median(c for _, c in v)
+            print(f"  {name:<44} {med[name]:7.3f} {ratio} {cpu:9.2f}  {exact}")
+        others = {n: g for n, g in med.items() if n not in ("fp-dcp", fio_name)}
+        best = max(others, key=lambda n: others[n])
+        fp = med["fp-dcp"]
+        if fio:
+            print(f"  [{'ok' if fp >= 0.95 * fio else 'MISSED'}] fp-dcp >= 0.95 x fio ({fp / fio:.2f} x)")
+        print(f"  [{'ok' if fp > others[best] else 'MISSED'}] fp-dcp ahead of every other loader "
+              f"(best: {best}, {fp / others[best]:.2f} x)")  # fmt: skip
+        if fio and others[best] < 0.8 * fio:
+            ok = fp >= 1.2 * others[best]
+            print(f"  [{'ok' if ok else 'MISSED'}] {best} is below 0.8 x fio: fp-dcp >= 1.2 x it")
 
 
 # ------------------------------------------------------------------------------------------------- 4 ranks
@@ -304,11 +358,18 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the 1-rank targets are")
+    parser.add_argument("--targets", default=",".join(KINDS), help="fresh, touched or both (fresh,touched)")
+    parser.add_argument("--no-ranks", action="store_true", help="leave out the 4-rank FSDP2 loads")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=11008)
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
+    kinds = [k for k in KINDS if k in args.targets.split(",")]
+    if not kinds or set(args.targets.split(",")) - set(KINDS):
+        parser.error(f"--targets: a comma-separated list of {', '.join(KINDS)}")
     warnings.filterwarnings("ignore")
+    map_afresh()
     work = tempfile.mkdtemp(prefix="fp-dcp-st-bench-", dir=args.dir)
     try:
         model = os.path.join(work, "model")
@@ -319,30 +380,23 @@ def main() -> None:
         print(f"{size / GB:.2f} GB of bf16 in {args.shards} shards, {len(shapes)} tensors; {args.rounds} rounds")
         if os.geteuid() != 0:
             print("not root: the page cache is evicted with posix_fadvise only (no drop_caches)")
-        one = run_one_rank(model, size, args.rounds, work)
-        four = run_four_ranks(model, shapes, size, args.rounds)
+        one, fio_name, wrong = run_one_rank(model, shapes, size, args.rounds, work, args.device, kinds)
+        four = None if args.no_ranks else run_four_ranks(model, shapes, size, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\n1 rank, median of {args.rounds}:")
-    med = {name: statistics.median(g for g, _ in v) for name, v in one.items()}
-    for name, v in one.items():
-        print(f"  {name:<48} {med[name]:6.3f} GB/s  {statistics.median(c for _, c in v):5.2f} CPU-s/GB")
-    fio = next((m for n, m in med.items() if n.startswith("fio")), None)
-    print(
-        "  fp-dcp: "
-        + (f"{med['fp-dcp'] / fio:.2f}x fio, " if fio else "")
-        + f"{med['fp-dcp'] / med['HuggingFaceStorageReader t=1']:.2f}x HuggingFaceStorageReader t=1, "
-        + f"{med['fp-dcp'] / med['HuggingFaceStorageReader t=4']:.2f}x t=4"
-    )
-    print(f"4 ranks as 2 nodes, FSDP2, median of {args.rounds}:")
-    for reader, v in four.items():
-        seconds = statistics.median(s for s, _ in v)
-        disk = statistics.median(d for _, d in v)
-        print(f"  {reader:<48} {seconds:6.2f} s  disk read {disk / size:4.2f}x the checkpoint")
-    ratio = statistics.median(s for s, _ in four["fp-dcp"]) / statistics.median(
-        s for s, _ in four["HuggingFaceStorageReader"]
-    )
-    print(f"  wall time fp-dcp / HuggingFaceStorageReader: {ratio:.2f}x")
+    report_one_rank(one, fio_name, wrong, args.rounds, args.device)
+    if four is not None:
+        print(f"\n4 ranks as 2 nodes, FSDP2, touched targets, median of {args.rounds}:")
+        for reader, v in four.items():
+            seconds = statistics.median(s for s, _ in v)
+            disk = statistics.median(d for _, d in v)
+            print(f"  {reader:<44} {seconds:6.2f} s  disk read {disk / size:4.2f}x the checkpoint")
+        ratio = statistics.median(s for s, _ in four["fp-dcp"]) / statistics.median(
+            s for s, _ in four["HuggingFaceStorageReader"]
+        )
+        print(f"  wall time fp-dcp / HuggingFaceStorageReader: {ratio:.2f}x")
+    if wrong:
+        sys.exit(f"not bit-exact: {', '.join(f'{k} ({n} loads)' for k, n in wrong.items())}")
 
 
 if __name__ == "__main__":

@@ -271,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         parents=[common, data_dirs],
         help="list a checkpoint's items, files and format",
-        description="List the items of a checkpoint (fp-dcp or torch FileSystemWriter): fqn, dtype, global shape, "
-        "chunks, stored bytes and file; totals, format version and writer.",
+        description="List the items of a checkpoint (fp-dcp, torch FileSystemWriter, or a directory of safetensors "
+        "files): fqn, dtype, global shape, chunks, stored bytes and file; totals, format version and writer.",
     )
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -282,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         parents=[common, progress, data_dirs],
         help="check every checksum and the metadata",
-        description="Check a checkpoint's metadata and every item's checksum. Prints each damaged item and its "
-        "file; exits 0 only when everything is intact, 1 otherwise.",
+        description="Check a checkpoint's metadata and every item's checksum (a directory of safetensors files: "
+        "its structure, every byte, and the hashes a Hugging Face download recorded). Prints each damaged item "
+        "and its file; exits 0 only when everything is intact, 1 otherwise.",
     )
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
