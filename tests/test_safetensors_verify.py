@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 
 import pytest
 from hf_util import INDEX, llama_state, raw_file, write_model
@@ -155,12 +156,24 @@ def test_local_dir_download_sidecars_are_checked(model):
     names = shards(directory)
     for name in names[:2]:  # the third has no record: checked for structure only
         digest = hashlib.sha256((directory / name).read_bytes()).hexdigest()
-        (sidecars / f"{name}.metadata").write_text(f"{'b' * 40}\n{digest}\n1712656091.123\n")
+        (sidecars / f"{name}.metadata").write_text(f"{'b' * 40}\n{digest}\n{time.time()}\n")
     report = verify_checkpoint(directory)
     assert report.ok and (report.checksums, report.hashed_files) == (False, 2)
+    stat = os.stat(directory / names[1])
     flip_last_byte(directory / names[1])
+    os.utime(directory / names[1], ns=(stat.st_atime_ns, stat.st_mtime_ns))  # bit rot leaves the time as it was
     problems = verify_checkpoint(directory).problems
     assert len(problems) == 1 and f"{sidecars / names[1]}.metadata records" in problems[0]
+
+
+def test_a_local_dir_record_older_than_its_file_is_not_used(model):
+    directory, _ = model
+    name = shards(directory)[0]
+    sidecars = directory / ".cache" / "huggingface" / "download"
+    sidecars.mkdir(parents=True)
+    (sidecars / f"{name}.metadata").write_text(f"{'b' * 40}\n{'0' * 64}\n{time.time() - 3600}\n")
+    report = verify_checkpoint(directory)  # the file was rewritten after the record: huggingface_hub's rule
+    assert report.ok and report.hashed_files == 0
 
 
 def test_a_file_that_cannot_be_read_is_named(model, monkeypatch):
@@ -176,6 +189,16 @@ def test_progress_counts_every_byte(model):
     verify_checkpoint(directory, progress=lambda done, total: calls.append((done, total)))
     total = sum(os.path.getsize(directory / n) for n in shards(directory))
     assert calls[0] == (0, total) and calls[-1] == (total, total)
+
+
+def test_a_damaged_index_alone_is_a_problem_not_an_error(tmp_path):
+    directory = tmp_path / "only-index"
+    directory.mkdir()
+    (directory / INDEX).write_text("{not json")
+    report = verify_checkpoint(directory)
+    assert (
+        not report.ok and len(report.problems) == 1 and f"{directory / INDEX} is not valid JSON" in report.problems[0]
+    )
 
 
 def test_data_dirs_do_not_apply(model):

@@ -18,7 +18,10 @@
   What ``huggingface_hub`` downloads carries one: in its cache
   (``snapshots/<revision>/<file>`` links to ``blobs/<hash>``), the blob's
   name; in a ``local_dir`` download, the etag in
-  ``.cache/huggingface/download/<file>.metadata``. Either is the file's
+  ``.cache/huggingface/download/<file>.metadata`` (unless the file changed
+  after that record was written, which ``huggingface_hub`` itself takes
+  for an outdated record: a file rewritten since is not the download's,
+  and bit rot does not change a file's time). Either is the file's
   SHA-256 for files stored with Git LFS (every ``.safetensors`` file on the
   Hub) and git's SHA-1 of the blob for small files (the index). A file with
   neither is checked for structure and readability only, and the report
@@ -33,7 +36,7 @@ import os
 import re
 from typing import NamedTuple
 
-from ..errors import CorruptCheckpointError, IncompatibleCheckpointError
+from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
 from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
 from ..safetensors_format import INDEX_NAME
@@ -87,10 +90,20 @@ def recorded_hash(path: str) -> RecordedHash | None:
         if os.path.isfile(sidecar):
             with open(sidecar, encoding="utf-8", errors="replace") as f:
                 lines = f.read().splitlines()  # commit, etag, time of the download
-            return _known(lines[1].strip(), sidecar) if len(lines) > 1 else None
+            if len(lines) < 3 or not _current(lines[2], here):
+                return None
+            return _known(lines[1].strip(), sidecar)
         if os.path.dirname(root) == root:
             return None
         root = os.path.dirname(root)
+
+
+def _current(recorded_at: str, path: str) -> bool:
+    """Whether a ``local_dir`` record is as new as the file (huggingface_hub's rule, its second of slack)."""
+    try:
+        return float(recorded_at) >= os.path.getmtime(path) - 1
+    except ValueError:
+        return False
 
 
 def _known(digest: str, source: str) -> RecordedHash | None:
@@ -138,7 +151,12 @@ def verify_safetensors(
     except CorruptCheckpointError as e:
         problems.append(f"{e}; every .safetensors file in the directory is checked instead")
         weight_map = None
-    names = checkpoint_files(directory, weight_map)
+    try:
+        names = checkpoint_files(directory, weight_map)
+    except NotACheckpointError:
+        if not problems:
+            raise
+        return SafetensorsVerifyReport(directory, False, problems, 0, 0, 0, checksums=False)  # only a bad index
     headers: list[Header] = []
     for name in names:
         try:
