@@ -239,6 +239,17 @@ def test_safetensors_directory_replaced_keeping_other_files(tmp_path, fp_ckpt):
     assert all(same_bytes(loaded[k], v) for k, v in tensors_of(state).items())
 
 
+def test_replacing_removes_nothing_outside_the_directory(tmp_path, fp_ckpt):
+    src, _ = fp_ckpt
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (tmp_path / "victim.safetensors").write_bytes(b"not the checkpoint's")
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../victim.safetensors"}}))
+    convert(src, dst, to="safetensors", drop_non_tensors=True, overwrite=True)
+    assert (tmp_path / "victim.safetensors").read_bytes() == b"not the checkpoint's"
+    assert sorted(os.listdir(dst)) == [*shard_names(1), "model.safetensors.index.json"]
+
+
 def test_failed_safetensors_directory_leaves_nothing(tmp_path, fp_ckpt, monkeypatch):
     src, _ = fp_ckpt
 

@@ -394,7 +394,7 @@ def _write_checkpoint(state: dict[str, Any], dst: str, to: Format, overwrite: bo
 def _write_safetensors_directory(tensors: dict[str, Any], dst: str, max_shard_size: int) -> None:
     """Shards and index through ``SafetensorsWriter``, into a directory beside ``dst``, then put in place."""
     parent = os.path.dirname(os.path.abspath(dst))
-    staging = os.path.join(parent, f".{os.path.basename(dst)}.{secrets.token_hex(4)}.tmp")
+    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.{secrets.token_hex(4)}.tmp")
     os.mkdir(staging)  # with the umask's permissions, which the destination keeps
     try:
         with (
@@ -425,7 +425,8 @@ def _remove_safetensors(directory: str) -> None:
             names = set(parse_index(f.read(), index).values())
     except (FileNotFoundError, CorruptCheckpointError):  # no index, or a damaged one: every file was the checkpoint
         names = {name for name in os.listdir(directory) if name.endswith(SUFFIX)}
-    for name in [INDEX_NAME, *sorted(names)]:
+    own = sorted(n for n in names if os.path.basename(n) == n and n.endswith(SUFFIX))  # nothing outside it
+    for name in [INDEX_NAME, *own]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
 
