@@ -18,9 +18,10 @@ every loader is made anew.
 
 - fresh: ``torch.empty``, never written before the load, as a meta-device
   model's ``to_empty()`` gives them: the load pays the first touch of every
-  page (on the CPU). Allocations of 1 MiB and more are mapped afresh each
-  time (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so a load's targets are
-  pages this process never touched, as in a new process;
+  page (on the CPU). Large allocations are mapped afresh each time
+  (``fp_dcp.tools.workload.fresh_allocations``: glibc's threshold fixed at a
+  new process's), so a load's targets are pages never touched, as in a new
+  process;
 - touched: zeroed before the load, untimed.
 
 The loaders (``safetensors_peers.py``): fp-dcp (``dcp.load`` with
@@ -59,8 +60,6 @@ status is 1 if a load was not bit-exact.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import functools
 import hashlib
 import json
@@ -86,7 +85,7 @@ from fp_dcp import FastPersistReader, _cio
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.tools.fio import Fio, reference
-from fp_dcp.tools.workload import cpu_seconds, evict
+from fp_dcp.tools.workload import cpu_seconds, evict, fresh_allocations
 
 GB = 1e9
 GiB = 1 << 30
@@ -152,15 +151,6 @@ def shard_files(directory: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------- 1 rank
 
 KINDS = ("fresh", "touched")
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def map_afresh() -> None:
-    """Allocations of 1 MiB and more mmapped anew and unmapped when freed (glibc otherwise raises the threshold
-    as memory is freed, and a later load's "fresh" targets would reuse touched heap pages)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not libc.mallopt(M_MMAP_THRESHOLD, 1 << 20):
-        print("note: mallopt(M_MMAP_THRESHOLD) refused: fresh targets may reuse touched pages")
 
 
 def make_targets(shapes: dict[str, tuple[int, ...]], kind: str, device: str) -> Targets:
@@ -369,7 +359,8 @@ def main() -> None:
     if not kinds or set(args.targets.split(",")) - set(KINDS):
         parser.error(f"--targets: a comma-separated list of {', '.join(KINDS)}")
     warnings.filterwarnings("ignore")
-    map_afresh()
+    if not fresh_allocations():
+        print("note: not glibc: fresh targets may reuse memory touched by an earlier load")
     work = tempfile.mkdtemp(prefix="fp-dcp-st-bench-", dir=args.dir)
     try:
         model = os.path.join(work, "model")
