@@ -2,21 +2,86 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from fp_dcp import FastPersistReader, FastPersistWriter, compat
+from fp_dcp import (
+    FastPersistReader,
+    FastPersistWriter,
+    OverlappedCheckpointer,
+    SafetensorsWriter,
+    TorchVersionError,
+    compat,
+)
+from fp_dcp.checkpoint import read_metadata_bytes
+from fp_dcp.format import decode_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_this_torch_is_one_the_module_was_checked_against():
     assert torch.__version__.split("+")[0] in compat.CHECKED_TORCH, (
         f"torch {torch.__version__} is not in fp_dcp.compat.CHECKED_TORCH: re-check every entry of that module"
     )
+
+
+def test_the_declared_range_starts_at_the_oldest_checked_torch():
+    requirement = re.search(r'"(torch[^"]*)"', (ROOT / "pyproject.toml").read_text())
+    oldest = ".".join(map(str, compat.OLDEST_TORCH))
+    assert requirement is not None and requirement[1] == f"torch>={oldest}"
+    assert f"`torch>={oldest}`" in (ROOT / "README.md").read_text()
+    assert min(compat._minor(v) for v in compat.CHECKED_TORCH) == compat.OLDEST_TORCH
+    ci_end = re.search(r"^OLDEST_TORCH := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert ci_end is not None and ci_end[1] in compat.CHECKED_TORCH  # `make test`'s second run
+    assert compat._minor(ci_end[1]) == compat.OLDEST_TORCH
+    assert compat.TORCH >= compat.OLDEST_TORCH
+
+
+def test_async_staging_works_from_its_torch_on_and_is_refused_by_name_before(tmp_path):
+    takes_a_stager = "async_stager" in inspect.signature(dcp.async_save).parameters
+    assert takes_a_stager == compat.has(compat.ASYNC_STAGING)  # the version compat names is torch's
+    writer = FastPersistWriter(tmp_path)
+    if takes_a_stager:
+        FastPersistWriter(tmp_path / "s", mode="snapshot").close()
+        OverlappedCheckpointer(writer).close()
+    else:
+        refusal = re.escape(compat.ASYNC_STAGING.refusal())
+        with pytest.raises(TorchVersionError, match=refusal):
+            FastPersistWriter(tmp_path / "s", mode="snapshot")
+        with pytest.raises(TorchVersionError, match=refusal):
+            OverlappedCheckpointer(writer)
+        with pytest.raises(TorchVersionError, match=refusal):
+            writer.stage({"w": torch.ones(2)})
+    writer.close()
+
+
+def test_consolidation_works_from_its_torch_on_and_is_refused_by_name_before(tmp_path):
+    module = "torch.distributed.checkpoint._consolidate_hf_safetensors"
+    assert (importlib.util.find_spec(module) is not None) == compat.has(compat.CONSOLIDATION)
+    if compat.has(compat.CONSOLIDATION):
+        pytest.importorskip("safetensors")
+        SafetensorsWriter(tmp_path, save_distributed=True, enable_consolidation=True).close()
+    else:
+        with pytest.raises(TorchVersionError, match=r"enable_consolidation=True\).* needs torch>=2\.9; this is torch"):
+            SafetensorsWriter(tmp_path, save_distributed=True, enable_consolidation=True)
+    assert not any(tmp_path.iterdir())  # refused or not, nothing written yet
+
+
+def test_a_save_records_the_fields_older_torches_lack(tmp_path):
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
+    metadata, _ = decode_metadata(read_metadata_bytes(str(tmp_path))[1], "here")  # as any other torch unpickles it
+    assert metadata.version == "1.0.0"
+    (location,) = metadata.storage_data.values()
+    assert location.transform_descriptors == [f"{compat.STOCK_READER_HINT}/1"]
 
 
 def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):
@@ -28,7 +93,8 @@ def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):
 
 
 def test_dcp_retries_read_metadata_only_for_a_parameter_named_kwargs():
-    assert f'"{compat.READ_METADATA_KWARGS}"' in inspect.getsource(state_dict_loader)
+    retries = f'"{compat.READ_METADATA_KWARGS}"' in inspect.getsource(state_dict_loader)
+    assert retries == (compat.TORCH >= (2, 9))  # before 2.9 DCP retries nothing: the first error is reported too
     assert compat.READ_METADATA_KWARGS not in inspect.signature(FastPersistReader.read_metadata).parameters
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ..compat import ASYNC_STAGING, require
 from ..save.writer import FastPersistWriter
 
 __all__ = ["OverlappedCheckpointer"]
@@ -75,6 +76,7 @@ class OverlappedCheckpointer:
         planner: SavePlanner | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        require(ASYNC_STAGING)
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.writer = writer
@@ -121,8 +123,6 @@ class OverlappedCheckpointer:
             planner=self.planner,
             process_group=self.process_group,
         )
-        if not hasattr(response, "staging_completion"):
-            raise RuntimeError("this torch's dcp.async_save does not return an AsyncSaveResponse; upgrade torch")
         self._staging, self._upload = response.staging_completion, response.upload_completion
         self.saves += 1
         self.blocked_seconds += time.perf_counter() - start
