@@ -11,10 +11,11 @@ such a feature raises ``TorchVersionError`` naming that version when it is
 used (``require``), never an ``ImportError`` of a private torch module.
 
 - ``ASYNC_STAGING`` (torch 2.9): ``dcp.async_save(..., async_stager=writer)``
-  and the ``AsyncSaveResponse`` it returns; ``FastPersistWriter(mode="snapshot")``,
-  ``FastPersistWriter.stage`` and ``OverlappedCheckpointer`` need them. Before
-  2.9, ``dcp.async_save(sd, storage_writer=writer)`` works with torch's own
-  staging (a full host copy).
+  and the ``AsyncSaveResponse`` it returns: the writer's own staging
+  (``FastPersistWriter.stage``, its ``mode``). Before 2.9,
+  ``dcp.async_save(sd, storage_writer=writer)`` stages with torch's own host
+  copy, and so do ``OverlappedCheckpointer`` and ``CheckpointManager``
+  (saying so once).
 - ``CONSOLIDATION`` (torch 2.9): ``consolidate_safetensors_files`` for
   ``SafetensorsWriter(enable_consolidation=True)``.
 
@@ -147,7 +148,7 @@ class TorchFeature(NamedTuple):
 
 
 ASYNC_STAGING = TorchFeature(
-    "staging for dcp.async_save(..., async_stager=writer) (FastPersistWriter(mode='snapshot'), OverlappedCheckpointer)",
+    "the writer's own staging for dcp.async_save (async_stager=writer, FastPersistWriter's mode)",
     (2, 9),
 )
 CONSOLIDATION = TorchFeature(

@@ -154,8 +154,6 @@ class FastPersistWriter(StorageWriter):
         self.config = config if config is not None else IOConfig()
         if mode not in ("streaming", "snapshot"):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
-        if mode == "snapshot":
-            require(ASYNC_STAGING)
         self.mode: Mode = mode
         self._id = uuid.uuid4().hex
         self._start(WriterResources(self.config, self.placement.files_per_rank))

@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from ..compat import ASYNC_STAGING, require
+from ..compat import ASYNC_STAGING, has
+from ..log import log_once
 from ..save.writer import FastPersistWriter
 
 __all__ = ["OverlappedCheckpointer"]
@@ -76,7 +77,6 @@ class OverlappedCheckpointer:
         planner: SavePlanner | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        require(ASYNC_STAGING)
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.writer = writer
@@ -115,15 +115,27 @@ class OverlappedCheckpointer:
         self._finish()
         state = state_dict() if callable(state_dict) else state_dict
         checkpoint_id = self.checkpoint_id(step) if self.checkpoint_id is not None else None
-        response: Any = dcp.async_save(
-            state,
-            checkpoint_id=checkpoint_id,
-            storage_writer=self.writer,
-            async_stager=self.writer,
-            planner=self.planner,
-            process_group=self.process_group,
-        )
-        self._staging, self._upload = response.staging_completion, response.upload_completion
+        if has(ASYNC_STAGING):
+            response: Any = dcp.async_save(
+                state,
+                checkpoint_id=checkpoint_id,
+                storage_writer=self.writer,
+                async_stager=self.writer,
+                planner=self.planner,
+                process_group=self.process_group,
+            )
+            self._staging, self._upload = response.staging_completion, response.upload_completion
+        else:  # torch's own staging: a whole host copy, made before async_save returns its Future
+            log_once(f"{ASYNC_STAGING.refusal()}: async saves stage through torch's own host copy instead")
+            upload: Any = dcp.async_save(
+                state,
+                checkpoint_id=checkpoint_id,
+                storage_writer=self.writer,
+                planner=self.planner,
+                process_group=self.process_group,
+            )
+            self._staging, self._upload = Future(), upload
+            self._staging.set_result(None)
         self.saves += 1
         self.blocked_seconds += time.perf_counter() - start
         return True
