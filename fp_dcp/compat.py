@@ -18,11 +18,16 @@ used (``require``), never an ``ImportError`` of a private torch module.
   (saying so once).
 - ``CONSOLIDATION`` (torch 2.9): ``consolidate_safetensors_files`` for
   ``SafetensorsWriter(enable_consolidation=True)``.
+- ``BALANCED_PLANS`` (torch 2.8): ``DefaultSavePlanner._dedup_save_plans``,
+  the hook through which ``FastPersistSavePlanner`` deals replicated items
+  out by bytes. With 2.7, DCP's own de-duplication runs instead (every item
+  still written once, the ranks' shares less even), said once in the log.
 
 Fields that older torches lack, set as attributes instead (pickled with the
 instance's ``__dict__`` all the same, so a checkpoint saved with any
 declared torch loads with any other): ``Metadata.version`` (a field from 2.9
-on) and ``_StorageInfo.transform_descriptors`` (2.7 on).
+on; ``dcp_metadata_version`` reads it from any checkpoint) and
+``_StorageInfo.transform_descriptors`` (2.7 on).
 
 Private names (torch offers no public equivalent):
 
@@ -32,7 +37,8 @@ Private names (torch offers no public equivalent):
 - ``EmptyStateDictLoadPlanner`` (``default_planner._EmptyStateDictLoadPlanner``)
   and ``load_state_dict_no_dist`` (``state_dict_loader._load_state_dict``):
   loading a whole checkpoint without a target state dict, as torch's own
-  ``format_utils.dcp_to_torch_save`` does.
+  ``format_utils.dcp_to_torch_save`` does (torch 2.7's needs ``planner_data``
+  to be a dict; a safetensors directory's metadata has None).
 - ``consolidate_safetensors_files``
   (``torch.distributed.checkpoint._consolidate_hf_safetensors``): merging the
   per-rank safetensors files of a ``save_distributed`` save into whole
@@ -80,6 +86,7 @@ Protocol details (public API, but behaviour fp-dcp depends on):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -87,6 +94,7 @@ from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
@@ -99,6 +107,7 @@ __all__ = [
     "TorchFeature",
     "ASYNC_STAGING",
     "CONSOLIDATION",
+    "BALANCED_PLANS",
     "FEATURES",
     "has",
     "require",
@@ -109,6 +118,7 @@ __all__ = [
     "load_state_dict_no_dist",
     "consolidate_safetensors_files",
     "dtensor_with_local",
+    "dcp_metadata_version",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
     "STOCK_READER_HINT",
@@ -154,7 +164,10 @@ ASYNC_STAGING = TorchFeature(
 CONSOLIDATION = TorchFeature(
     "SafetensorsWriter(enable_consolidation=True) (torch's consolidate_safetensors_files)", (2, 9)
 )
-FEATURES = (ASYNC_STAGING, CONSOLIDATION)
+BALANCED_PLANS = TorchFeature(
+    "FastPersistSavePlanner's byte-balanced plans (DefaultSavePlanner._dedup_save_plans)", (2, 8)
+)
+FEATURES = (ASYNC_STAGING, CONSOLIDATION, BALANCED_PLANS)
 
 
 def has(feature: TorchFeature) -> bool:
@@ -171,7 +184,16 @@ def require(feature: TorchFeature) -> None:
 WRITER_IS_NOT_AN_ASYNC_STAGER = "_synchronize_after_execute"  # the AsyncStager member the writer leaves unset
 READ_METADATA_KWARGS = "kwargs"  # the parameter name that makes DCP retry read_metadata with rank=...
 
-EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
+
+class EmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+    """torch's, taking metadata without ``planner_data`` (a safetensors directory's) on torch 2.7 too."""
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is not None and metadata.planner_data is None:  # torch 2.7 looks keys up in it unchecked
+            metadata = dataclasses.replace(metadata, planner_data={})
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 # The "name" of a transform descriptor ends at its first "/": this one has none.
@@ -273,3 +295,8 @@ def consolidate_safetensors_files(*args: Any, **kwargs: Any) -> None:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files as merge
 
     merge(*args, **kwargs)
+
+
+def dcp_metadata_version(metadata: Metadata) -> str | None:
+    """The DCP schema version a checkpoint's ``Metadata`` records (None where torch before 2.9 saved it)."""
+    return getattr(metadata, "version", None)

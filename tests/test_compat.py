@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_loader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
 import fp_dcp.log
 from fp_dcp import (
     FastPersistReader,
+    FastPersistSavePlanner,
     FastPersistWriter,
     OverlappedCheckpointer,
     SafetensorsWriter,
@@ -80,12 +82,26 @@ def test_consolidation_works_from_its_torch_on_and_is_refused_by_name_before(tmp
     assert not any(tmp_path.iterdir())  # refused or not, nothing written yet
 
 
+def test_balanced_plans_work_from_their_torch_on_and_are_said_by_name_before(caplog, monkeypatch):
+    monkeypatch.setattr(fp_dcp.log, "_logged", set())
+    hook = "_dedup_save_plans" in vars(DefaultSavePlanner)  # what FastPersistSavePlanner overrides
+    assert hook == compat.has(compat.BALANCED_PLANS)
+    FastPersistSavePlanner()
+    said = [r.getMessage() for r in caplog.records if "_dedup_save_plans" in r.getMessage()]
+    assert said == (
+        [] if hook else [f"{compat.BALANCED_PLANS.refusal()}: DCP's own de-duplication deals the items out instead"]
+    )
+
+
 def test_a_save_records_the_fields_older_torches_lack(tmp_path):
     dcp.save({"w": torch.arange(4.0)}, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
     metadata, _ = decode_metadata(read_metadata_bytes(str(tmp_path))[1], "here")  # as any other torch unpickles it
     assert metadata.version == "1.0.0"
     (location,) = metadata.storage_data.values()
     assert location.transform_descriptors == [f"{compat.STOCK_READER_HINT}/1"]
+    assert compat.dcp_metadata_version(metadata) == "1.0.0"
+    metadata.__dict__.pop("version", None)  # as torch before 2.9 saves it
+    assert compat.dcp_metadata_version(metadata) in (None, "1.0.0")
 
 
 def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):

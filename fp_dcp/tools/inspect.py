@@ -9,6 +9,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint import open_checkpoint
+from ..compat import dcp_metadata_version
 from ..format import ItemLocation
 
 __all__ = ["inspect_checkpoint", "print_inspect", "human", "plural"]
@@ -71,7 +72,7 @@ def inspect_checkpoint(
     return {
         "path": path,
         **about,
-        "dcp_metadata_version": metadata.version,
+        "dcp_metadata_version": dcp_metadata_version(metadata),
         "items": items,
         "files": files,
         "paths": {name: checkpoint.files[name] for name in files},
