@@ -115,25 +115,15 @@ class OverlappedCheckpointer:
         self._finish()
         state = state_dict() if callable(state_dict) else state_dict
         checkpoint_id = self.checkpoint_id(step) if self.checkpoint_id is not None else None
+        options: dict[str, Any] = {"planner": self.planner, "process_group": self.process_group}
         if has(ASYNC_STAGING):
             response: Any = dcp.async_save(
-                state,
-                checkpoint_id=checkpoint_id,
-                storage_writer=self.writer,
-                async_stager=self.writer,
-                planner=self.planner,
-                process_group=self.process_group,
+                state, checkpoint_id=checkpoint_id, storage_writer=self.writer, async_stager=self.writer, **options
             )
             self._staging, self._upload = response.staging_completion, response.upload_completion
         else:  # torch's own staging: a whole host copy, made before async_save returns its Future
             log_once(f"{ASYNC_STAGING.refusal()}: async saves stage through torch's own host copy instead")
-            upload: Any = dcp.async_save(
-                state,
-                checkpoint_id=checkpoint_id,
-                storage_writer=self.writer,
-                planner=self.planner,
-                process_group=self.process_group,
-            )
+            upload: Any = dcp.async_save(state, checkpoint_id=checkpoint_id, storage_writer=self.writer, **options)
             self._staging, self._upload = Future(), upload
             self._staging.set_result(None)
         self.saves += 1
