@@ -14,8 +14,9 @@ used (``require``), never an ``ImportError`` of a private torch module.
   and the ``AsyncSaveResponse`` it returns: the writer's own staging
   (``FastPersistWriter.stage``, its ``mode``). Before 2.9,
   ``dcp.async_save(sd, storage_writer=writer)`` stages with torch's own host
-  copy, and so do ``OverlappedCheckpointer`` and ``CheckpointManager``
-  (saying so once).
+  copy, and ``OverlappedCheckpointer`` and ``CheckpointManager`` save
+  synchronously, saying so once (torch 2.7's threaded ``async_save`` left
+  gloo ranks hanging in ``destroy_process_group`` about one run in three).
 - ``CONSOLIDATION`` (torch 2.9): ``consolidate_safetensors_files`` for
   ``SafetensorsWriter(enable_consolidation=True)``.
 - ``BALANCED_PLANS`` (torch 2.8): ``DefaultSavePlanner._dedup_save_plans``,
