@@ -10,8 +10,15 @@ TORCH  := torch==2.13.0
 demo: build
 	$(PY) -m fp_dcp bench
 
+# The suite runs on both ends of the torch range pyproject.toml declares: on $(TORCH) in .venv, then on
+# the oldest declared torch in .venv-torch-$(OLDEST_TORCH) (made by benchmarks/torch_matrix.sh and kept
+# between runs: a CUDA build of torch from PyPI with its NVIDIA libraries, about 4 GB, run on CPU). There
+# it leaves out tests/test_frameworks.py only: the framework packages pin a torch of their own.
+OLDEST_TORCH := 2.7.1
+
 test: lint
 	FP_DCP_WERROR=1 $(PY) -m pytest -q
+	KEEP=1 PYTHON=$(PYTHON) SUITE_ARGS=--ignore=tests/test_frameworks.py benchmarks/torch_matrix.sh $(OLDEST_TORCH)
 
 # Debian packages: liburing-dev for the io_uring engine, libxxhash-dev for incremental saves' content hash
 # (xxhash's xxhsum is the tests' reference for it), libisal-dev for the fastest CRC-32C, strace for the
@@ -43,7 +50,7 @@ build: system-deps $(STAMP)
 	FP_DCP_WERROR=1 $(PY) setup.py -q build_ext --inplace
 
 clean:
-	rm -rf $(VENV) build *.egg-info fp_dcp/*.so
+	rm -rf $(VENV) .venv-torch-* build *.egg-info fp_dcp/*.so
 
 # ---- code health: lint runs with every `make test`; asan before each release ----
 

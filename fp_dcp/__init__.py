@@ -17,6 +17,7 @@ device memory; ``training`` runs checkpoints in a loop; ``tools`` are the CLI.
 from __future__ import annotations
 
 from . import errors
+from .compat import TorchVersionError
 from .config import IOConfig
 from .errors import *  # noqa: F403  (the exception types are part of the public API)
 from .integrations.default_storage import install, install_from_environment, installed, is_installed, uninstall
@@ -55,6 +56,7 @@ __all__ = [
     "uninstall",
     "installed",
     "is_installed",
+    "TorchVersionError",
     *errors.__all__,
 ]
 

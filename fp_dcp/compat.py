@@ -1,8 +1,34 @@
-"""Every private torch API fp-dcp uses, and every protocol detail it relies on, in one place.
+"""Every private torch API fp-dcp uses, every protocol detail it relies on, and the torch versions they need.
 
-Checked against torch 2.13.0 (the version the project's set-up installs);
+Checked against each torch in ``CHECKED_TORCH`` (``benchmarks/torch_matrix.sh``
+runs the suite on each; CI runs it on both ends of the range);
 ``tests/test_compat.py`` fails when one of these stops holding, so a torch
-upgrade shows here first. The package declares ``torch>=2.6``.
+upgrade shows here first. The package declares ``torch>=2.7`` (``OLDEST_TORCH``).
+
+Features that need a newer torch than the oldest (``TorchFeature``, each with
+the version it needs): ``import fp_dcp`` works on every declared torch, and
+such a feature raises ``TorchVersionError`` naming that version when it is
+used (``require``), never an ``ImportError`` of a private torch module.
+
+- ``ASYNC_STAGING`` (torch 2.9): ``dcp.async_save(..., async_stager=writer)``
+  and the ``AsyncSaveResponse`` it returns: the writer's own staging
+  (``FastPersistWriter.stage``, its ``mode``). Before 2.9,
+  ``dcp.async_save(sd, storage_writer=writer)`` stages with torch's own host
+  copy, and ``OverlappedCheckpointer`` and ``CheckpointManager`` save
+  synchronously, saying so once (torch 2.7's threaded ``async_save`` left
+  gloo ranks hanging in ``destroy_process_group`` about one run in three).
+- ``CONSOLIDATION`` (torch 2.9): ``consolidate_safetensors_files`` for
+  ``SafetensorsWriter(enable_consolidation=True)``.
+- ``BALANCED_PLANS`` (torch 2.8): ``DefaultSavePlanner._dedup_save_plans``,
+  the hook through which ``FastPersistSavePlanner`` deals replicated items
+  out by bytes. With 2.7, DCP's own de-duplication runs instead (every item
+  still written once, the ranks' shares less even), said once in the log.
+
+Fields that older torches lack, set as attributes instead (pickled with the
+instance's ``__dict__`` all the same, so a checkpoint saved with any
+declared torch loads with any other): ``Metadata.version`` (a field from 2.9
+on; ``dcp_metadata_version`` reads it from any checkpoint) and
+``_StorageInfo.transform_descriptors`` (2.7 on).
 
 Private names (torch offers no public equivalent):
 
@@ -12,12 +38,13 @@ Private names (torch offers no public equivalent):
 - ``EmptyStateDictLoadPlanner`` (``default_planner._EmptyStateDictLoadPlanner``)
   and ``load_state_dict_no_dist`` (``state_dict_loader._load_state_dict``):
   loading a whole checkpoint without a target state dict, as torch's own
-  ``format_utils.dcp_to_torch_save`` does.
+  ``format_utils.dcp_to_torch_save`` does (torch 2.7's needs ``planner_data``
+  to be a dict; a safetensors directory's metadata has None).
 - ``consolidate_safetensors_files``
   (``torch.distributed.checkpoint._consolidate_hf_safetensors``): merging the
   per-rank safetensors files of a ``save_distributed`` save into whole
   tensors, as ``HuggingFaceStorageWriter(enable_consolidation=True)`` does;
-  ``fp_dcp.save.safetensors`` runs it for the same option.
+  ``fp_dcp.save.safetensors`` runs it for the same option (torch 2.9 on).
 - ``dtensor_with_local``: a DTensor rebuilt around a host copy of its local
   shard through ``DTensor(local, spec)``, as torch's state-dict utilities do
   (``DTensor.from_local`` would move the shard back to the mesh's device).
@@ -28,7 +55,8 @@ Protocol details (public API, but behaviour fp-dcp depends on):
   ``isinstance(writer, AsyncStager)``; that runtime-checkable protocol also
   lists ``_synchronize_after_execute``, which ``FastPersistWriter`` leaves
   unset, so the check is False and the writer stages only when passed as
-  ``async_stager=`` (``WRITER_IS_NOT_AN_ASYNC_STAGER`` names this).
+  ``async_stager=`` (torch 2.9 on; before, torch stages with its own copy)
+  (``WRITER_IS_NOT_AN_ASYNC_STAGER`` names this).
 - Code written for torch's ``FileSystemWriter`` passes its keyword
   arguments; ``check_filesystem_writer_options`` accepts those that leave
   the checkpoint as fp-dcp writes it and refuses the rest by name.
@@ -51,28 +79,39 @@ Protocol details (public API, but behaviour fp-dcp depends on):
   ``FastPersistWriter`` needs none, and puts what ``FileSystemWriter`` puts
   there (``stock_plan_data``), so that either writer can follow the other in
   one process with caching on.
-- DCP retries a failed ``StorageReader.read_metadata`` with ``rank=...``
-  only when the method has a parameter literally named ``kwargs``;
+- DCP (2.9 on; none before) retries a failed ``StorageReader.read_metadata``
+  with ``rank=...`` only when the method has a parameter literally named ``kwargs``;
   ``FastPersistReader.read_metadata`` names its one differently, so its
   first error is the one reported (``READ_METADATA_KWARGS``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import _storage_utils
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
     "CHECKED_TORCH",
+    "OLDEST_TORCH",
+    "TORCH",
+    "TorchVersionError",
+    "TorchFeature",
+    "ASYNC_STAGING",
+    "CONSOLIDATION",
+    "BALANCED_PLANS",
+    "FEATURES",
+    "has",
+    "require",
     "WRITER_IS_NOT_AN_ASYNC_STAGER",
     "READ_METADATA_KWARGS",
     "flatten_state_dict",
@@ -80,6 +119,7 @@ __all__ = [
     "load_state_dict_no_dist",
     "consolidate_safetensors_files",
     "dtensor_with_local",
+    "dcp_metadata_version",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
     "STOCK_READER_HINT",
@@ -91,11 +131,70 @@ __all__ = [
     "check_filesystem_writer_options",
 ]
 
-CHECKED_TORCH = ("2.13.0",)
+CHECKED_TORCH = ("2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.1")
+OLDEST_TORCH = (2, 7)  # pyproject.toml's torch>=2.7
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH = _minor(torch.__version__)  # (major, minor) of the torch installed here
+
+
+class TorchVersionError(RuntimeError):
+    """A feature needs a newer torch than the one installed; the message names the feature and the version."""
+
+
+class TorchFeature(NamedTuple):
+    """An fp-dcp feature that needs a torch API newer than ``OLDEST_TORCH``."""
+
+    what: str
+    since: tuple[int, int]
+
+    def refusal(self) -> str:
+        major, minor = self.since
+        return f"{self.what} needs torch>={major}.{minor}; this is torch {torch.__version__}"
+
+
+ASYNC_STAGING = TorchFeature(
+    "the writer's own staging for dcp.async_save (async_stager=writer, FastPersistWriter's mode)",
+    (2, 9),
+)
+CONSOLIDATION = TorchFeature(
+    "SafetensorsWriter(enable_consolidation=True) (torch's consolidate_safetensors_files)", (2, 9)
+)
+BALANCED_PLANS = TorchFeature(
+    "FastPersistSavePlanner's byte-balanced plans (DefaultSavePlanner._dedup_save_plans)", (2, 8)
+)
+FEATURES = (ASYNC_STAGING, CONSOLIDATION, BALANCED_PLANS)
+
+
+def has(feature: TorchFeature) -> bool:
+    """Whether the torch installed here has what ``feature`` needs."""
+    return TORCH >= feature.since
+
+
+def require(feature: TorchFeature) -> None:
+    """Raise ``TorchVersionError`` naming the torch ``feature`` needs, unless this torch has it."""
+    if not has(feature):
+        raise TorchVersionError(feature.refusal())
+
+
 WRITER_IS_NOT_AN_ASYNC_STAGER = "_synchronize_after_execute"  # the AsyncStager member the writer leaves unset
 READ_METADATA_KWARGS = "kwargs"  # the parameter name that makes DCP retry read_metadata with rank=...
 
-EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner
+
+class EmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+    """torch's, taking metadata without ``planner_data`` (a safetensors directory's) on torch 2.7 too."""
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is not None and metadata.planner_data is None:  # torch 2.7 looks keys up in it unchecked
+            metadata = dataclasses.replace(metadata, planner_data={})
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 # The "name" of a transform descriptor ends at its first "/": this one has none.
@@ -109,7 +208,10 @@ def item_location(
     file: str, offset: int, length: int, crc32c: int, xxh3_128: str | None = None, xxh3_sample: str | None = None
 ) -> Any:
     """A ``storage_data`` value of ``.metadata`` (format version 2 and later)."""
-    info = _StorageInfo(file, offset, length, [f"{STOCK_READER_HINT}/1"])
+    info = _StorageInfo(file, offset, length)
+    # A field of _StorageInfo from torch 2.7 on; set as an attribute, so that a checkpoint saved with an
+    # older torch carries it too (it is pickled with the instance's __dict__ either way).
+    info.transform_descriptors = [f"{STOCK_READER_HINT}/1"]
     info.crc32c = crc32c  # type: ignore[attr-defined]
     for name, value in (("xxh3_128", xxh3_128), ("xxh3_sample", xxh3_sample)):
         if value is not None:
@@ -187,3 +289,15 @@ def load_state_dict_no_dist(state_dict: dict[str, Any], reader: StorageReader, p
 def dtensor_with_local(dtensor: Any, local: torch.Tensor) -> Any:
     """A DTensor of the same placement as ``dtensor`` whose local shard is ``local`` (on any device)."""
     return type(dtensor)(local, dtensor._spec, requires_grad=False)
+
+
+def consolidate_safetensors_files(*args: Any, **kwargs: Any) -> None:
+    """torch's ``consolidate_safetensors_files``, imported when first called (``CONSOLIDATION``)."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files as merge
+
+    merge(*args, **kwargs)
+
+
+def dcp_metadata_version(metadata: Metadata) -> str | None:
+    """The DCP schema version a checkpoint's ``Metadata`` records (None where torch before 2.9 saved it)."""
+    return getattr(metadata, "version", None)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fp_dcp.io.buffers
 import fp_dcp.load.reader
 import fp_dcp.save.resources
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, compat
 from fp_dcp.gpu import cudart
 
 needs_xxhash = pytest.mark.skipif(
@@ -146,3 +146,11 @@ def gpu(request) -> Iterator[Gpu]:
     yield Gpu(torch.device("cuda"), None)
     torch.cuda.synchronize()
     assert cudart.runtime().cudaGetLastError() == 0
+
+
+def needs_torch(feature: compat.TorchFeature) -> pytest.MarkDecorator:
+    """For a test of what ``feature`` needs from torch: skipped, by name, with an older torch.
+
+    tests/test_compat.py asserts what fp-dcp does there instead (a refusal or a fallback, named).
+    """
+    return pytest.mark.skipif(not compat.has(feature), reason=f"{feature.refusal()} (see tests/test_compat.py)")

@@ -12,7 +12,7 @@ from conftest import load, save
 from dist_util import RankError, run_ranks, run_ranks_outcomes
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
-from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter
+from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, compat
 
 SHAPES = {"emb": (37, 24), "proj": (24, 19), "bias": (19,)}
 
@@ -158,8 +158,11 @@ def test_byte_balanced_write_partitioning(tmp_path):
     fp = run_ranks(3, _balanced_save, str(tmp_path / "fp"), "fp")
     stock = run_ranks(3, _balanced_save, str(tmp_path / "stock"), "default")
     shares = fp[0]["shares"]
-    assert shares == fp[0]["planned"]  # what the planner dealt is what the ranks wrote
-    assert max(shares) / (sum(shares) / len(shares)) <= 1.05
+    if compat.has(compat.BALANCED_PLANS):
+        assert shares == fp[0]["planned"]  # what the planner dealt is what the ranks wrote
+        assert max(shares) / (sum(shares) / len(shares)) <= 1.05
+    else:  # DCP's own de-duplication dealt the items (the planner says so: tests/test_compat.py)
+        assert fp[0]["planned"] == [] and sum(shares) == sum(stock[0]["shares"])
     stock_shares = stock[0]["shares"]
     assert max(stock_shares) / (sum(stock_shares) / 3) > 1.5  # the default planner leaves ranks idle
     # the row-chunked checkpoint loads anywhere, here in one process

@@ -19,7 +19,7 @@ from cuda_double import ALREADY_REGISTERED, INVALID_VALUE, MEMORY_ALLOCATION, NO
 
 import fp_dcp.log
 import fp_dcp.save.resources
-from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, _cio
+from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, _cio, compat
 from fp_dcp.gpu.memory import page_lock
 from fp_dcp.io.buffers import BufferPool
 
@@ -63,7 +63,10 @@ def _cycle(i: int, root, state: dict, config: IOConfig, monkeypatch) -> None:
         dcp.save(state, storage_writer=FastPersistWriter(path, config=config))
     elif kind in (1, 2):  # async saves, snapshot and streaming
         writer = FastPersistWriter(path, config=config, mode="snapshot" if kind == 1 else "streaming")
-        dcp.async_save(state, storage_writer=writer, async_stager=writer).upload_completion.result(timeout=60)
+        if compat.has(compat.ASYNC_STAGING):
+            dcp.async_save(state, storage_writer=writer, async_stager=writer).upload_completion.result(timeout=60)
+        else:  # the writer as storage only: torch stages (fp_dcp.compat.ASYNC_STAGING)
+            dcp.async_save(state, storage_writer=writer).result(timeout=60)
     elif kind == 3:  # the copies DCP's process executor unpickles, one per save, sharing their resources
         pickled = pickle.dumps(FastPersistWriter(path, config=config))
         first, second = pickle.loads(pickled), pickle.loads(pickled)

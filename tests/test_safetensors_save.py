@@ -9,16 +9,14 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import failure, same_bytes
+from conftest import failure, needs_torch, same_bytes
 from dist_util import run_ranks
 from hf_util import INDEX, llama_state, load_reference, module_for, safetensors_torch
-from test_safetensors import every_dtype
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+from test_safetensors import HuggingFaceStorageReader, every_dtype, needs_torch_hf
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import init_device_mesh
 
-from fp_dcp import FastPersistReader, IOConfig, SafetensorsWriter
+from fp_dcp import FastPersistReader, IOConfig, SafetensorsWriter, compat
 from fp_dcp.units import PAGE
 
 
@@ -36,6 +34,7 @@ def all_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> boo
     return set(got) == set(want) and all(same_bytes(got[k], want[k]) for k in want)
 
 
+@needs_torch_hf
 @pytest.mark.parametrize("direct", [True, False])
 def test_one_file_loads_with_the_safetensors_package_and_both_readers(tmp_path, direct):
     state = small_state() | every_dtype()
@@ -60,12 +59,15 @@ def test_a_dtype_the_safetensors_package_cannot_write_round_trips_through_fp_dcp
     assert all_same(loaded_by(FastPersistReader(tmp_path), {"scales": scales}), {"scales": scales})
 
 
+@needs_torch_hf
 def test_fqn_to_index_mapping_writes_the_files_and_the_index_hugging_face_does(tmp_path):
     state = small_state()
     mapping = {name: 1 + position % 3 for position, name in enumerate(state)}
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     dcp.save(state, storage_writer=SafetensorsWriter(ours, fqn_to_index_mapping=mapping), no_dist=True)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(theirs), fqn_to_index_mapping=mapping), no_dist=True)
+    dcp.save(
+        state, storage_writer=dcp.HuggingFaceStorageWriter(str(theirs), fqn_to_index_mapping=mapping), no_dist=True
+    )
     assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
     index = json.loads((ours / INDEX).read_text())
     assert index == json.loads((theirs / INDEX).read_text())
@@ -90,7 +92,7 @@ def save_sharded(rank: int, world: int, root: str) -> dict:
             os.path.join(root, "whole"), save_distributed=True, enable_consolidation=True, thread_count_consolidation=2
         ),
     )
-    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(os.path.join(root, "theirs"), save_distributed=True))
+    dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(root, "theirs"), save_distributed=True))
     try:
         dcp.save(sd, storage_writer=SafetensorsWriter(os.path.join(root, "refused")))
     except BaseException as e:  # CheckpointException is a BaseException
@@ -98,6 +100,7 @@ def save_sharded(rank: int, world: int, root: str) -> dict:
     return {"refused": ""}
 
 
+@needs_torch(compat.CONSOLIDATION)
 def test_save_distributed_on_two_ranks_loads_resharded_and_consolidates(tmp_path):
     results = run_ranks(2, save_sharded, str(tmp_path))
     state = small_state()
@@ -110,6 +113,8 @@ def test_save_distributed_on_two_ranks_loads_resharded_and_consolidates(tmp_path
     theirs = HuggingFaceStorageReader(str(tmp_path / "theirs")).read_metadata()
     assert described(FastPersistReader(ours).read_metadata()) == described(theirs)
     (tmp_path / "merged").mkdir()
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
     consolidate_safetensors_files(str(ours), str(tmp_path / "merged"), dict.fromkeys(state, 1))
     assert all_same(load_reference(tmp_path / "merged"), state)
     whole = tmp_path / "whole"
@@ -142,6 +147,7 @@ def test_a_tensor_missing_from_the_mapping_is_refused_by_name(tmp_path):
     assert "'b' is not in fqn_to_index_mapping" in message
 
 
+@needs_torch(compat.CONSOLIDATION)
 def test_consolidation_of_tensors_torch_cannot_consolidate_is_refused_before_writing(tmp_path):
     message = save_error(
         tmp_path, {"w": torch.ones(3), "ids": torch.arange(3)}, save_distributed=True, enable_consolidation=True

@@ -23,12 +23,12 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, Gpu, empty_like, failure, load, needs_xxhash, same_bytes
+from conftest import SMALL, Gpu, empty_like, failure, load, needs_torch, needs_xxhash, same_bytes
 from dist_util import run_ranks
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from fp_dcp import FastPersistSavePlanner, FastPersistWriter, IOConfig, SaveCancelledError
+from fp_dcp import FastPersistSavePlanner, FastPersistWriter, IOConfig, SaveCancelledError, compat
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.format import METADATA_NAME
 from fp_dcp.gpu.streaming import Staging, StreamingCopier
@@ -111,6 +111,7 @@ def test_device_path_writes_the_bytes_the_host_path_writes(tmp_path, monkeypatch
 # ---------------------------------------------------------------- the async protocol
 
 
+@needs_torch(compat.ASYNC_STAGING)
 def test_writer_is_a_stager_only_when_passed_as_one(ckpt):
     writer = FastPersistWriter(ckpt)
     assert not isinstance(writer, AsyncStager)  # plain async_save keeps torch's default stager and Future
@@ -128,6 +129,7 @@ def test_writer_is_a_stager_only_when_passed_as_one(ckpt):
         (False, ["released", "writes done", "publish"]),  # every byte copied: released once the last is staged
     ],
 )
+@needs_torch(compat.ASYNC_STAGING)
 def test_streaming_releases_after_the_last_read_and_before_publishing(ckpt, monkeypatch, direct_writes, order):
     events: list[str] = []
     finish, publish = Window.finish, commit.publish
@@ -150,6 +152,7 @@ def test_streaming_releases_after_the_last_read_and_before_publishing(ckpt, monk
     assert events == order
 
 
+@needs_torch(compat.ASYNC_STAGING)
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])
 def test_parameters_may_change_once_staging_completes(ckpt, mode):
     state = {"w": torch.randn(256, 1024), "b": torch.randn(7), "t": torch.randn(40, 30).t(), "meta": {"step": 1}}
@@ -169,6 +172,7 @@ def test_parameters_may_change_once_staging_completes(ckpt, mode):
     assert target["meta"]["step"] == 1
 
 
+@needs_torch(compat.ASYNC_STAGING)
 def test_snapshot_keeps_conjugate_views(ckpt):
     state = {"c": torch.randn(9, 4, dtype=torch.complex64).conj(), "n": torch.randn(5)._neg_view()}
     writer = FastPersistWriter(ckpt, mode="snapshot")
@@ -192,6 +196,7 @@ def _dtensor_snapshot(rank: int, world: int, root: str) -> None:
     response.upload_completion.result()
 
 
+@needs_torch(compat.ASYNC_STAGING)
 def test_snapshot_of_dtensor_shards(ckpt):
     run_ranks(2, _dtensor_snapshot, str(ckpt), timeout=120)
     target = {"w": torch.zeros(64, 8)}
@@ -222,6 +227,7 @@ def no_leftovers(path) -> bool:
     return not os.path.exists(os.path.join(path, METADATA_NAME)) and not glob.glob(os.path.join(path, "*.distcp"))
 
 
+@needs_torch(compat.ASYNC_STAGING)
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])
 def test_io_error_mid_pipeline_fails_cleanly(ckpt, monkeypatch, mode):
     state = {"w": torch.randn(64, 1024), "t": torch.randn(64, 100).t(), **{f"s{i}": torch.ones(9) for i in range(50)}}
@@ -252,6 +258,7 @@ class FailingPlanner(FastPersistSavePlanner):
         raise ValueError("planning failed")
 
 
+@needs_torch(compat.ASYNC_STAGING)
 def test_a_save_that_fails_before_writing_does_not_leave_staging_pending(ckpt):
     writer = FastPersistWriter(ckpt)
     response = dcp.async_save(
@@ -286,6 +293,7 @@ def slow_writes(monkeypatch) -> threading.Event:
     return writing
 
 
+@needs_torch(compat.ASYNC_STAGING)
 def test_cancel_stops_the_save_and_publishes_nothing(ckpt, slow_writes):
     state = {"w": torch.randn(1024, 1024).t()}  # 4 MiB, staged: 64 writes of SMALL's 64 KiB buffers
     writer = FastPersistWriter(ckpt, config=SMALL)
@@ -398,6 +406,7 @@ def test_gpu_state_round_trips_with_the_checksums_of_its_host_copy(tmp_path, gpu
     assert all(gpu.page_locked(view) for view in pool.views)
 
 
+@needs_torch(compat.ASYNC_STAGING)
 @pytest.mark.gpu
 @needs_xxhash
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])
@@ -492,6 +501,7 @@ def test_gpu_side_stream_waits_for_the_values(tmp_path, gpu):
         assert side.stream != producer and side.stream != torch.cuda.default_stream()
 
 
+@needs_torch(compat.ASYNC_STAGING)
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["streaming", "snapshot"])
 def test_gpu_async_save_captures_the_values_of_its_step(tmp_path, gpu, mode):

@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..compat import BALANCED_PLANS, has
 from ..format import stored_nbytes
 from ..io.dealing import deal
-from ..log import log
+from ..log import log, log_once
 
 __all__ = ["FastPersistSavePlanner", "balance"]
 
@@ -82,6 +83,8 @@ class FastPersistSavePlanner(DefaultSavePlanner):
         self.split_bytes = split_bytes
         self.chunks_per_rank = chunks_per_rank
         self.byte_shares: list[int] = []
+        if not has(BALANCED_PLANS):
+            log_once(f"{BALANCED_PLANS.refusal()}: DCP's own de-duplication deals the items out instead")
         self._row_chunks: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
 
     def create_local_plan(self) -> SavePlan:

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..compat import consolidate_safetensors_files
+from ..compat import CONSOLIDATION, consolidate_safetensors_files, require
 from ..config import IOConfig
 from ..gpu.copier import DeviceCopier
 from ..io.files import fsync_directory, write_durably
@@ -130,6 +130,7 @@ class SafetensorsWriter(StorageWriter):
                 "without it the files already hold whole tensors"
             )
         if enable_consolidation:
+            require(CONSOLIDATION)
             _needs_safetensors_package()
         self.config = config if config is not None else IOConfig()
         if self.config.engine == "null":

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint import published_files
-from ..compat import check_filesystem_writer_options, item_location, stock_plan_data
+from ..compat import ASYNC_STAGING, check_filesystem_writer_options, item_location, require, stock_plan_data
 from ..config import IOConfig
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
@@ -314,9 +314,8 @@ class FastPersistWriter(StorageWriter):
         # DCP's plan caching hands every save the same Metadata object: encode this save's own copy,
         # then fill the shared one in too (DCP returns it to the caller, as with FileSystemWriter).
         stored = {index: item_location(*location) for index, location in storage_data.items()}
-        this_save = dataclasses.replace(
-            metadata, storage_data=stored, storage_meta=self.storage_meta(), version=DCP_METADATA_VERSION
-        )
+        this_save = dataclasses.replace(metadata, storage_data=stored, storage_meta=self.storage_meta())
+        this_save.version = DCP_METADATA_VERSION  # a field from torch 2.9 on, an attribute before (fp_dcp.compat)
         metadata.storage_data, metadata.storage_meta, metadata.version = (
             this_save.storage_data,
             this_save.storage_meta,
@@ -400,6 +399,7 @@ class FastPersistWriter(StorageWriter):
         completes when training may change the parameters, and fails if the
         save fails before that.
         """
+        require(ASYNC_STAGING)
         return self._async.stage(state_dict, self.mode, self._staging.snapshot)
 
     @property

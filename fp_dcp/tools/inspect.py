@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .. import FastPersistReader
 from ..checkpoint import is_safetensors_directory, open_checkpoint
+from ..compat import dcp_metadata_version
 from ..format import ItemLocation
 from ..safetensors_format import INDEX_NAME
 
@@ -118,7 +119,7 @@ def _summary(
     return {
         "path": path,
         **about,
-        "dcp_metadata_version": metadata.version,
+        "dcp_metadata_version": dcp_metadata_version(metadata),
         "items": items,
         "files": files,
         "paths": {name: paths[name] for name in files},

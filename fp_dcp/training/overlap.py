@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from ..compat import ASYNC_STAGING, has
+from ..log import log_once
 from ..save.writer import FastPersistWriter
 
 __all__ = ["OverlappedCheckpointer"]
@@ -113,17 +115,22 @@ class OverlappedCheckpointer:
         self._finish()
         state = state_dict() if callable(state_dict) else state_dict
         checkpoint_id = self.checkpoint_id(step) if self.checkpoint_id is not None else None
-        response: Any = dcp.async_save(
-            state,
-            checkpoint_id=checkpoint_id,
-            storage_writer=self.writer,
-            async_stager=self.writer,
-            planner=self.planner,
-            process_group=self.process_group,
-        )
-        if not hasattr(response, "staging_completion"):
-            raise RuntimeError("this torch's dcp.async_save does not return an AsyncSaveResponse; upgrade torch")
-        self._staging, self._upload = response.staging_completion, response.upload_completion
+        options: dict[str, Any] = {"planner": self.planner, "process_group": self.process_group}
+        if has(ASYNC_STAGING):
+            response: Any = dcp.async_save(
+                state, checkpoint_id=checkpoint_id, storage_writer=self.writer, async_stager=self.writer, **options
+            )
+            self._staging, self._upload = response.staging_completion, response.upload_completion
+        else:  # the save runs here, to its end: torch's threaded async_save before 2.9 can hang at teardown
+            log_once(f"{ASYNC_STAGING.refusal()}: saves run to their end before after_update returns instead")
+            self._staging, self._upload = Future(), Future()
+            self._staging.set_result(None)
+            try:
+                self._upload.set_result(
+                    dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=self.writer, **options)
+                )
+            except BaseException as e:  # reported by the next call, as an async save's error is
+                self._upload.set_exception(e)
         self.saves += 1
         self.blocked_seconds += time.perf_counter() - start
         return True
