@@ -56,7 +56,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, IOConfig, engine_info
-from fp_dcp.gpu import gather
+from fp_dcp.gpu.kernel import Kernel
 from fp_dcp.tools.bench import evict, llm_state_dict, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,13 +293,17 @@ def async_vs_sync(state: dict[str, Any], directory: str, mode: str, repeats: int
 @contextlib.contextmanager
 def gather_kernel(enabled: bool) -> Iterator[None]:
     """Save with the gather kernel, or with its fallback (one copy per segment on the side stream)."""
-    original = gather.Gather._function
+    original = Kernel.function
+
+    def without_gather(self: Kernel, side: Any) -> Any:
+        return None if self.file == "gather.cu" else original(self, side)
+
     if not enabled:
-        gather.Gather._function = lambda self, index: None  # type: ignore[method-assign]
+        Kernel.function = without_gather  # type: ignore[method-assign]
     try:
         yield
     finally:
-        gather.Gather._function = original  # type: ignore[method-assign]
+        Kernel.function = original  # type: ignore[method-assign]
 
 
 def small_tensors(count: int, directory: str, device: str) -> dict[str, Any]:

@@ -30,38 +30,29 @@ from ..io.buffers import BufferPool
 from ..io.extents import Extent, Part
 from ..tensors import ByteSource, plain_layout
 from .copier import DeviceCopier
-from .gather import Gather
 from .memory import SideStream, page_lock
+from .route import DeviceRoute
 from .snapshot import Snapshot
 
 __all__ = ["Staging", "CopyBatch", "StreamingCopier"]
 
 
-class Staging:
-    """A writer's GPU staging: side streams, its page-locked pool, the gather kernel, the snapshot.
+class Staging(DeviceRoute):
+    """A writer's GPU staging: side streams, its page-locked pool, the device kernels, the snapshot.
 
     Created cheaply with the writer; CUDA is touched only once a save holds
-    GPU tensors. ``copies`` decides which tensors it copies (CUDA ones) and
-    ``page_locks`` for which devices it page-locks host memory; tests
-    override both to run the same code on CPU tensors (``tests/cuda_double.py``).
-    Page-locked memory belongs to the pools it lives in (``memory.page_lock``),
-    so dropping a ``Staging`` without ``close`` leaks nothing.
+    GPU tensors. Which tensors it copies and which memory it page-locks is
+    the ``DeviceRoute``'s (tests route CPU tensors through it:
+    ``tests/cuda_double.py``). Page-locked memory belongs to the pools it
+    lives in (``memory.page_lock``), so dropping a ``Staging`` without
+    ``close`` leaks nothing.
     """
 
     def __init__(self, config: IOConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self._streams: dict[torch.device, SideStream] = {}
-        self._gather: Gather | None = None
         self._snapshot: Snapshot | None = None
         self.pinned: bool | None = None  # whether the last pool of a GPU save is page-locked
-
-    def copies(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s bytes are copied to the host by this engine (side streams, pinned memory)."""
-        return tensor.device.type == "cuda"
-
-    def page_locks(self, device: torch.device) -> bool:
-        """Whether host memory that ``device``'s copies land in is page-locked."""
-        return device.type == "cuda"
 
     def flat(self, source: ByteSource) -> torch.Tensor | None:
         """The source's bytes as one flat uint8 tensor on its device, or None if they are not contiguous there."""
@@ -76,22 +67,12 @@ class Staging:
             side = self._streams[device] = SideStream(device, self.config.buffer_size, self.page_locks(device))
         return side
 
-    def gather(self) -> Gather:
-        if self._gather is None:
-            self._gather = Gather()
-        return self._gather
-
     @property
     def snapshot(self) -> Snapshot:
         """The writer's snapshot arena (``mode="snapshot"``), with side streams of its own."""
         if self._snapshot is None:
             self._snapshot = Snapshot(self)
         return self._snapshot
-
-    @property
-    def gather_backend(self) -> str:
-        """How small GPU tensors are coalesced here (the kernel through cupy, or plain copies, and why)."""
-        return self.gather().backend
 
     def pin(self, pool: BufferPool) -> None:
         """Page-lock the writer's pool buffers (once per pool), so device-to-host copies into them are asynchronous."""

@@ -1,0 +1,42 @@
+"""Which tensors take the GPU path, and what runs there: shared by streaming saves and the snapshot.
+
+A ``DeviceRoute`` says which tensors are copied from a device (CUDA ones),
+for which devices host memory is page-locked, and holds the kernels that
+run on the device (the gather). Tests override the first two to run the
+same code on CPU tensors (``tests/cuda_double.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import IOConfig
+from .gather import Gather
+
+__all__ = ["DeviceRoute"]
+
+
+class DeviceRoute:
+    """Which tensors are device memory, which host memory is page-locked for them, and the device kernels."""
+
+    def __init__(self, config: IOConfig) -> None:
+        self.config = config
+        self._gather: Gather | None = None
+
+    def copies(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes are copied to the host by this engine (side streams, pinned memory)."""
+        return tensor.device.type == "cuda"
+
+    def page_locks(self, device: torch.device) -> bool:
+        """Whether host memory that ``device``'s copies land in is page-locked."""
+        return device.type == "cuda"
+
+    def gather(self) -> Gather:
+        if self._gather is None:
+            self._gather = Gather()
+        return self._gather
+
+    @property
+    def gather_backend(self) -> str:
+        """How small GPU tensors are coalesced here (the kernel through cupy, or plain copies, and why)."""
+        return self.gather().backend
