@@ -5,7 +5,7 @@ used); libxxhash (Debian's libxxhash-dev) gives the content hash of
 incremental saves, and FP_DCP_WITHOUT_XXHASH=1 builds without it; ISA-L (Debian's
 libisal-dev) gives the fastest CRC-32C, FP_DCP_WITHOUT_ISAL=1 builds without it; FP_DCP_WERROR=1 turns compiler warnings into errors (CI). The CUDA
 sources in cuda/ (not a Python package) are copied into the built package as
-fp_dcp/gpu/kernels/, so that wheels ship the gather kernel, and
+fp_dcp/gpu/kernels/, so that wheels ship the kernels (gather, CRC-32C), and
 fp_dcp_default_storage.pth goes beside the package, so that
 FP_DCP_DEFAULT_STORAGE=1 reaches processes that never import fp_dcp
 (fp_dcp.integrations.default_storage).

@@ -22,6 +22,9 @@ that fails is reported in the table without stopping the others:
   and into CPU tensors;
 - ``async``: how long ``dcp.async_save`` keeps the caller (until
   ``staging_completion``) against ``dcp.save``, both modes, steady state;
+- ``crc``: the CRC-32C kernel on device memory against one host core, and
+  saves into tmpfs and loads back into CUDA with the device checksums against
+  the host's (``benchmarks/gpu_crc.py``);
 - ``small``: 10,000 GPU tensors of 4-64 KiB saved with the gather kernel, with
   the gather done by plain copies, and with no gathering, each loaded back and
   checked bit-exact;
@@ -52,11 +55,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gpu_crc
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, IOConfig, engine_info
-from fp_dcp.gpu import gather
+from fp_dcp.gpu.kernel import Kernel
 from fp_dcp.tools.workload import evict, llm_state_dict, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,13 +297,17 @@ def async_vs_sync(state: dict[str, Any], directory: str, mode: str, repeats: int
 @contextlib.contextmanager
 def gather_kernel(enabled: bool) -> Iterator[None]:
     """Save with the gather kernel, or with its fallback (one copy per segment on the side stream)."""
-    original = gather.Gather._function
+    original = Kernel.function
+
+    def without_gather(self: Kernel, side: Any) -> Any:
+        return None if self.file == "gather.cu" else original(self, side)
+
     if not enabled:
-        gather.Gather._function = lambda self, index: None  # type: ignore[method-assign]
+        Kernel.function = without_gather  # type: ignore[method-assign]
     try:
         yield
     finally:
-        gather.Gather._function = original  # type: ignore[method-assign]
+        Kernel.function = original  # type: ignore[method-assign]
 
 
 def small_tensors(count: int, directory: str, device: str) -> dict[str, Any]:
@@ -445,6 +453,8 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
                     f"{a['blocked_s'] * 1000:.0f} / {a['sync_save_s'] * 1000:.0f} ms",
                 )
             )
+    if "crc" in r:
+        rows += gpu_crc.rows(r["crc"])
     if "small" in r:
         s = r["small"]
         for name in ("kernel", "copies", "no gather"):
@@ -552,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("snapshot", "streaming"):
             section(f"async_{mode}", 30, lambda m=mode: async_vs_sync(held["state"], args.dir, m, args.repeats, device))
         held.clear()
+        if device == "cuda":
+            section("crc", 30, lambda: gpu_crc.measure(llm_state_dict(GiB, seed=3, device=device), args.memory_dir))
         section("small", 30, lambda: small_tensors(args.small_count, args.dir, device))
         section("incremental", 20, lambda: incremental(args.dir, device))
         left = args.budget_s - (time.perf_counter() - began)

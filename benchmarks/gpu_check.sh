@@ -37,10 +37,10 @@ print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
       + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 PY
 
-echo "== tests (in file order: staging, page-locking, GPU loads, kernels, overlap)"
+echo "== tests (in file order: staging, page-locking, GPU loads, device CRC, kernels, overlap)"
 set +e
-timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_staging.py tests/test_page_locking.py \
-  tests/test_gpu_loads.py tests/test_cuda_sources.py tests/test_overlap.py 2>&1 | tee "$OUT/tests.log" | tail -n 25
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_staging.py tests/test_page_locking.py \
+  tests/test_gpu_loads.py tests/test_device_crc.py tests/test_cuda_sources.py tests/test_overlap.py 2>&1 | tee "$OUT/tests.log" | tail -n 25
 TESTS=${PIPESTATUS[0]}
 set -e
 echo "tests exit status: $TESTS; build and tests took $(( SECONDS - START )) s"

@@ -192,7 +192,9 @@ static void crc_hw_init(void)
  * finished (inverted) values too, as in zlib's crc32_combine. Pieces checksummed apart (other threads,
  * the GPU) are joined with it. Products are in the reflected domain, where x^0 is bit 31.
  */
-static uint32_t crc_x2n_table[32]; /* x^(2^k) mod P */
+/* x^(2^k) mod P for every bit of 8n, n a 64-bit length. The table cannot wrap at 32 as zlib's does:
+ * for this P, x^(2^32) is x^2, not x. */
+static uint32_t crc_x2n_table[67];
 
 static uint32_t crc_multmodp(uint32_t a, uint32_t b)
 {
@@ -208,7 +210,7 @@ static uint32_t crc_multmodp(uint32_t a, uint32_t b)
 static void crc_combine_init(void)
 {
     uint32_t p = 1u << 30; /* x^1 */
-    for (int k = 0; k < 32; k++) {
+    for (int k = 0; k < 67; k++) {
         crc_x2n_table[k] = p;
         p = crc_multmodp(p, p);
     }
@@ -220,7 +222,7 @@ static uint32_t crc_x8n(uint64_t n)
     uint32_t p = 1u << 31; /* x^0 */
     for (int k = 3; n; n >>= 1, k++)
         if (n & 1)
-            p = crc_multmodp(crc_x2n_table[k & 31], p);
+            p = crc_multmodp(crc_x2n_table[k], p);
     return p;
 }
 

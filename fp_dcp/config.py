@@ -95,8 +95,9 @@ class IOConfig:
             through the (page-locked) staging buffers.
         staging_chunk: GPU tensors (see ``docs/gpu.md``) are copied
             device-to-host into the staging buffers in pieces of at most this
-            many bytes, each followed by a CUDA event, so that the checksum of
-            one piece overlaps the copy of the next. ``num_buffers`` is the
+            many bytes, each followed by a CUDA event, so that a host checksum
+            of one piece (where the device does not checksum it) overlaps the
+            copy of the next. ``num_buffers`` is the
             depth of the device-to-disk pipeline: one buffer fills from the GPU
             while the others are written.
         gather_max: GPU tensor parts of at most this many bytes that share a

@@ -24,7 +24,9 @@ not need.
 and page-locks the host memory its copies land in, so that CPU tensors take
 the GPU path (side streams without a stream, the gather, landing areas, the
 snapshot arena) and its page-locking goes through the double;
-``CpuTargetsAsDevice`` does the same for loads.
+``CpuTargetsAsDevice`` does the same for loads. Both checksum the "device"
+bytes with ``ModelCrc``: the CRC kernel's launch, run by its numpy model
+(``crc_model``), so the device checksums' plumbing runs here too.
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ import mmap
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from crc_model import crc32c_rows
 
 from fp_dcp import _cio
+from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
+from fp_dcp.gpu.memory import SideStream
 from fp_dcp.gpu.streaming import Staging
 
 SUCCESS = 0
@@ -152,8 +158,25 @@ class CudaRuntimeDouble:
         return found
 
 
+class ModelCrc(DeviceCrc):
+    """The CRC kernel's launch, run by its numpy model on the CPU "device" (synchronously: no stream)."""
+
+    @property
+    def backend(self) -> str:
+        return "the numpy model of cuda/crc32c.cu"
+
+    def ready(self, side: SideStream) -> bool:
+        return True
+
+    def __call__(self, side: SideStream, rows: list[torch.Tensor], keep: list) -> torch.Tensor:
+        crcs = crc32c_rows([row.numpy() for row in rows])
+        return torch.from_numpy(crcs.view(np.int32))
+
+
 class CpuAsDevice(Staging):
     """Every tensor as device memory, every landing area page-locked: the GPU code path, run on the CPU."""
+
+    crc_kernel = ModelCrc
 
     def copies(self, tensor: torch.Tensor) -> bool:
         return True
@@ -164,6 +187,8 @@ class CpuAsDevice(Staging):
 
 class CpuTargetsAsDevice(DeviceLoads):
     """Every load target as device memory, the reader's pool page-locked: the GPU load path, run on the CPU."""
+
+    crc_kernel = ModelCrc
 
     def takes(self, target: torch.Tensor) -> bool:
         return True

@@ -64,6 +64,21 @@ def test_crc32c_combine_joins_pieces_checksummed_apart(cut):
     assert _cio.crc32c_combine(crc32c_reference(small[:4]), crc32c_reference(small[4:]), 5) == 0xE3069283
 
 
+@pytest.mark.parametrize("length", [(1 << 29) - 1, 1 << 29, (5 << 32) + 12_345, (1 << 63) + 77])
+def test_crc32c_combine_shifts_past_half_a_gibibyte(length):
+    # crc(A||B) depends on B's length through x^(8|B|): shifting past |B| in two steps must equal one shift,
+    # also where 8|B| has bits at 2^32 and beyond (x^(2^32) is x^2 modulo this polynomial, not x).
+    crc = _cio.crc32c(b"fp-dcp")
+    half = length // 2
+    in_two = _cio.crc32c_combine(_cio.crc32c_combine(crc, 0, half), 0, length - half)
+    assert _cio.crc32c_combine(crc, 0, length) == in_two
+    third = length // 3
+    in_three = _cio.crc32c_combine(
+        _cio.crc32c_combine(_cio.crc32c_combine(crc, 0, third), 0, third), 0, length - 2 * third
+    )
+    assert in_three == in_two
+
+
 def test_crc32c_combine_refuses_values_beyond_32_bits():
     with pytest.raises(ValueError, match="32 bits"):
         _cio.crc32c_combine(1 << 32, 0, 1)

@@ -1,4 +1,4 @@
-"""The wheel is what users install: it must hold the C extension and the gather kernel, and find the kernel."""
+"""The wheel is what users install: it must hold the C extension and the CUDA kernels, and find the kernels."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+KERNELS = sorted(p.name for p in (ROOT / "cuda").glob("*.cu"))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_the_extension_and_the_kernel(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "fp_dcp/gpu/kernels/gather.cu" in names
+    assert {"gather.cu", "crc32c.cu"} <= set(KERNELS)
+    assert all(f"fp_dcp/gpu/kernels/{kernel}" in names for kernel in KERNELS), names
     assert any(n.startswith("fp_dcp/_cio") and n.endswith(".so") for n in names), names
     assert not any(n.startswith("cuda/") for n in names)  # never a top-level package named cuda
 
@@ -49,8 +51,10 @@ def site(wheel, tmp_path_factory) -> Path:
     return site
 
 
-def test_installed_wheel_finds_its_kernel(site, tmp_path):
-    probe = "import fp_dcp.gpu.gather as g; print(g.__file__); print(g.kernel_source())"
+def test_installed_wheel_finds_its_kernels(site, tmp_path):
+    probe = "import fp_dcp.gpu.kernel as k; print(k.__file__); " + "; ".join(
+        f"print(k.kernel_source({kernel!r}))" for kernel in KERNELS
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r}); {probe}"],
@@ -61,10 +65,10 @@ def test_installed_wheel_finds_its_kernel(site, tmp_path):
         timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    module, kernel = run.stdout.split()
+    module, *found = run.stdout.split()
     assert module.startswith(str(site)), module  # the installed copy, not the source tree
-    assert kernel == str(site / "fp_dcp" / "gpu" / "kernels" / "gather.cu")
-    assert Path(kernel).read_bytes() == (ROOT / "cuda" / "gather.cu").read_bytes()
+    assert found == [str(site / "fp_dcp" / "gpu" / "kernels" / kernel) for kernel in KERNELS]
+    assert all(Path(f).read_bytes() == (ROOT / "cuda" / k).read_bytes() for f, k in zip(found, KERNELS, strict=True))
 
 
 def test_installed_wheel_makes_fp_dcp_the_default_storage_only_when_asked(wheel, site, tmp_path):
@@ -118,4 +122,5 @@ def test_a_wheel_built_from_the_sdist_is_complete(tmp_path):
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("fp_dcp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "fp_dcp_default_storage.pth" in names and "fp_dcp/gpu/kernels/gather.cu" in names
+    assert "fp_dcp_default_storage.pth" in names
+    assert all(f"fp_dcp/gpu/kernels/{kernel}" in names for kernel in KERNELS), names

@@ -3,11 +3,13 @@
 The read pipeline reads the bytes of device targets into the reader's pool
 buffers (page-locked once, ``memory.page_lock``), and hands each buffer's
 parts to ``DeviceLoads.copy``: the host-to-device copies are queued on the
-device's side stream while the next reads are in flight, the host checksums
-the buffer meanwhile, and ``settle`` waits for the copies before the buffer
-goes back to the pool (at 55 GB/s a buffer crosses long before the disk
-fills the next). No pageable intermediate and no host copy of the state:
-host memory is the reader's pool.
+device's side stream while the next reads are in flight, and ``settle``
+waits for the copies before the buffer goes back to the pool (at 55 GB/s a
+buffer crosses long before the disk fills the next). The parts of items
+whose checksum is verified are checksummed where they landed, on the device,
+by one launch per buffer after its copies (``fp_dcp.gpu.crc``); where that
+kernel cannot run, the host checksums them while they cross. No pageable
+intermediate and no host copy of the state: host memory is the reader's pool.
 
 Stream semantics: before its first copy after a ``settle``, a side stream
 waits for an event on the caller's current stream, so whatever the caller
@@ -18,9 +20,13 @@ stream, and anything else, sees the data.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .. import _cio
 from ..io.buffers import BufferPool
+from .crc import Checksummed, Checksums, DeviceCrc
 from .memory import SideStream, page_lock
 
 __all__ = ["DeviceLoads"]
@@ -31,12 +37,17 @@ class DeviceLoads:
 
     ``takes`` decides which targets go through it (CUDA ones) and
     ``page_locks`` for which devices the pool is page-locked; tests override
-    both to run the same code on CPU targets (``tests/cuda_double.py``).
+    both to run the same code on CPU targets, and the CRC's launch to run a
+    CPU model of the kernel (``tests/cuda_double.py``).
     """
+
+    crc_kernel: type[DeviceCrc] = DeviceCrc
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, SideStream] = {}
         self._pending: set[SideStream] = set()  # side streams with copies queued since the last settle
+        self._checks: dict[SideStream, Checksums] = {}  # what each checksums once its copies are queued
+        self._crc: DeviceCrc | None = None
 
     def takes(self, target: torch.Tensor) -> bool:
         """Whether ``target`` (a GPU tensor) is filled from page-locked buffers on a side stream."""
@@ -45,13 +56,24 @@ class DeviceLoads:
     def page_locks(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
+    def crc(self) -> DeviceCrc:
+        if self._crc is None:
+            self._crc = self.crc_kernel()
+        return self._crc
+
     def prepare(self, pool: BufferPool, device: torch.device) -> None:
         """Before the first copy to ``device`` out of ``pool``'s buffers: page-lock them (once per pool)."""
         if self.page_locks(device):
             page_lock(pool)
 
-    def copy(self, region: memoryview, target: torch.Tensor) -> None:
-        """Queue the copy of ``region`` (staging memory) into ``target`` (its bytes, flat, on a device)."""
+    def copy(self, region: memoryview, target: torch.Tensor, checksum: Checksummed | None = None) -> None:
+        """Queue the copy of ``region`` (staging memory) into ``target`` (its bytes, flat, on a device).
+
+        ``checksum``: the item whose running CRC-32C these bytes continue,
+        computed on the device once they landed (its value is there after
+        ``settle``), or by the host now, while they cross, where the kernel
+        cannot run.
+        """
         side = self._streams.get(target.device)
         if side is None:
             side = self._streams[target.device] = SideStream(target.device, 0, False)
@@ -60,11 +82,24 @@ class DeviceLoads:
             self._pending.add(side)
         with side.context():
             target.copy_(torch.frombuffer(region, dtype=torch.uint8), non_blocking=True)
+        if checksum is None:
+            return
+        if self.crc().ready(side):
+            self._checks.setdefault(side, Checksums(self.crc(), side)).add(checksum, target)
+        else:
+            checksum.crc = _cio.crc32c(region, checksum.crc)
 
     def settle(self) -> None:
-        """Wait for every copy queued so far: the staging memory they read may be reused."""
+        """Wait for every copy queued so far, and the checksums of what they brought: the staging memory they
+        read may be reused, and each item's CRC-32C covers its bytes copied so far."""
+        keep: list[Any] = []
+        for check in self._checks.values():
+            check.launch(keep)
         for side in self._pending:
             event = side.record()
             if event is not None:
                 event.synchronize()
+        for check in self._checks.values():
+            check.fold()
         self._pending.clear()
+        self._checks.clear()

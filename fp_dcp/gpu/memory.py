@@ -98,6 +98,11 @@ class SideStream:
         self._landing: HostArea | None = None
         self._scratch: torch.Tensor | None = None
 
+    @property
+    def index(self) -> int:
+        """The device's ordinal (the current one for a device named without, ``"cuda"``)."""
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
     def context(self) -> AbstractContextManager[Any]:
         """Make the side stream current for this device (work queued inside runs on it)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()

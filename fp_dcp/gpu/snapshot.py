@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,9 +18,7 @@ from ..format import SMALL_ALIGN
 from ..tensors import plain_layout
 from ..units import PAGE, align_up
 from .memory import HostArea, SideStream
-
-if TYPE_CHECKING:
-    from .streaming import Staging
+from .route import DeviceRoute
 
 __all__ = ["local_tensor", "leaves", "rebuild", "Snapshot"]
 
@@ -71,10 +69,10 @@ class Snapshot:
     streaming at the same time.
     """
 
-    def __init__(self, staging: Staging) -> None:
-        self.staging = staging  # which tensors are copied from a device, and which memory is page-locked
-        self.config = staging.config
-        self.gather = staging.gather()
+    def __init__(self, route: DeviceRoute) -> None:
+        self.route = route  # which tensors are copied from a device, and which memory is page-locked
+        self.config = route.config
+        self.gather = route.gather()
         self.streams: dict[torch.device, SideStream] = {}
         self.key: tuple[Any, ...] | None = None
         self.arena: HostArea | None = None
@@ -92,8 +90,8 @@ class Snapshot:
             cursor = align_up(cursor, PAGE if sizes[i] > small else SMALL_ALIGN)
             self.offsets[i] = cursor
             cursor += sizes[i]
-        devices = {t.device for t in tensors if self.staging.copies(t)}
-        self.arena = HostArea(cursor, page_locked=any(map(self.staging.page_locks, devices)))
+        devices = {t.device for t in tensors if self.route.copies(t)}
+        self.arena = HostArea(cursor, page_locked=any(map(self.route.page_locks, devices)))
         arena = self.arena.tensor
         self.copies = [
             arena[o : o + n].view(t.dtype).reshape(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
@@ -111,14 +109,14 @@ class Snapshot:
         events = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            if not self.staging.copies(t):
+            if not self.route.copies(t):
                 self.copies[i].copy_(t)  # materializes conjugate and negative views too
             elif t.numel():
                 by_device.setdefault(t.device, []).append(i)
         keep: list[Any] = []
         for device, indices in by_device.items():
             if device not in self.streams:
-                self.streams[device] = SideStream(device, self.config.buffer_size, self.staging.page_locks(device))
+                self.streams[device] = SideStream(device, self.config.buffer_size, self.route.page_locks(device))
             side = self.streams[device]
             side.wait_for(ready.get(device) or side.caller_event())
             with side.context():

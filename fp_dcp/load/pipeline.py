@@ -355,9 +355,8 @@ def read_items(
                 _advance(owner, part.length)
                 continue
             assert uploads is not None
-            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length])
-            if owner.verify:  # on the host, while the copy crosses the bus
-                owner.crc = _cio.crc32c(region, owner.crc)
+            checksum = owner if owner.verify else None  # on the device where it can, else on the host
+            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length], checksum)
             on_device.append(part)
         if on_device:
             assert uploads is not None
