@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import tempfile
+import time
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+TIMEOUT_S = 900  # the longest wait for the next rank's result
 
 
 def _entry(rank: int, world: int, store: str, fn: Any, args: tuple, out: Any) -> None:
@@ -24,7 +28,11 @@ def _entry(rank: int, world: int, store: str, fn: Any, args: tuple, out: Any) ->
 
 
 def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order."""
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
+
+    A rank that dies ends the others at once (they would wait for it in a
+    collective until gloo's timeout) and raises ``RuntimeError``.
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,9 +41,33 @@ def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
         ]
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=900) for _ in procs)
+        try:
+            results = _collect(procs, out)
+        except BaseException:  # Ctrl-C too: no rank outlives the call
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            raise
         for p in procs:
             p.join()
             if p.exitcode:
                 raise RuntimeError(f"a rank exited with {p.exitcode}")
     return [pickle.loads(results[r]) for r in range(world)]
+
+
+def _collect(procs: list[Any], out: Any) -> dict[int, bytes]:
+    results: dict[int, bytes] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(results) < len(procs):
+        try:
+            rank, data = out.get(timeout=1)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+            if dead:
+                raise RuntimeError(f"rank {dead[0][0]} exited with {dead[0][1]}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no rank reported for {TIMEOUT_S} s") from None
+            continue
+        results[rank] = data
+        deadline = time.monotonic() + TIMEOUT_S
+    return results

@@ -77,9 +77,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed.checkpoint as dcp
+from llama import layers_for, llama_shapes, sharded_model
 from ranks import spawn
 from safetensors_peers import Targets, loaders
-from torch import nn
 
 from fp_dcp import FastPersistReader, _cio
 from fp_dcp.io.device import disk_of
@@ -88,37 +88,7 @@ from fp_dcp.tools.fio import Fio, reference
 from fp_dcp.tools.workload import cpu_seconds, evict, fresh_allocations
 
 GB = 1e9
-GiB = 1 << 30
 INDEX = "model.safetensors.index.json"
-
-
-def llama_shapes(layers: int, hidden: int, inter: int, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Hugging Face's Llama tensor names and shapes (the tests' models too)."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in _layer(hidden, inter).items()}
-    return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
-
-
-def layers_for(gb: float, hidden: int, inter: int, vocab: int) -> int:
-    """How many layers make about ``gb`` GiB of bf16."""
-    per_layer = 2 * sum(torch.Size(s).numel() for s in _layer(hidden, inter).values())
-    return max(1, round((gb * GiB - 2 * (2 * vocab * hidden + hidden)) / per_layer))
-
-
-def _layer(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
-    kv = hidden // 4  # grouped-query attention: a quarter of the heads for keys and values
-    return {
-        "self_attn.q_proj.weight": (hidden, hidden),
-        "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden),
-        "self_attn.o_proj.weight": (hidden, hidden),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-    }
 
 
 def write_checkpoint(directory: str, shapes: dict[str, tuple[int, ...]], shards: int) -> int:
@@ -265,32 +235,13 @@ def report_one_rank(results: Results, fio_name: str, wrong: dict[str, int], roun
 # ------------------------------------------------------------------------------------------------- 4 ranks
 
 
-def module_with(params: dict[str, torch.Tensor]) -> nn.Module:
-    """A module whose parameters are ``params``, under their dotted names (the tests load into these too)."""
-    root = nn.Module()
-    for name, value in params.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
-    return root
-
-
 def load_fsdp2(rank: int, world: int, directory: str, shapes: dict, reader: str, check: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
 
     os.environ["FP_DCP_NODE"] = f"node{rank // 2}"
-    with torch.device("meta"):
-        model = module_with({name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in shapes.items()})
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    model.to_empty(device="cpu")
-    state = model.state_dict()
+    state = sharded_model(shapes, init_device_mesh("cpu", (world,))).state_dict()
     for v in state.values():
         v.to_local().zero_()  # touched: the load measures the disk and the exchange, not page faults
     storage = FastPersistReader(directory) if reader == "fp-dcp" else HuggingFaceStorageReader(directory)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from safetensors_bench import llama_shapes, module_with
+from llama import llama_shapes, module_with
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
 

@@ -1,0 +1,63 @@
+"""Llama-shaped models for the benchmarks beside this one and the tests: names, shapes, FSDP2-sharded modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+GiB = 1 << 30
+
+
+def llama_shapes(layers: int, hidden: int, inter: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Hugging Face's Llama tensor names and shapes."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in _layer(hidden, inter).items()}
+    return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+
+
+def layers_for(gb: float, hidden: int, inter: int, vocab: int) -> int:
+    """How many layers make about ``gb`` GiB of bf16."""
+    per_layer = 2 * sum(torch.Size(s).numel() for s in _layer(hidden, inter).values())
+    return max(1, round((gb * GiB - 2 * (2 * vocab * hidden + hidden)) / per_layer))
+
+
+def _layer(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    kv = hidden // 4  # grouped-query attention: a quarter of the heads for keys and values
+    return {
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+
+
+def module_with(params: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose parameters are ``params``, under their dotted names."""
+    root = nn.Module()
+    for name, value in params.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(value, requires_grad=value.is_floating_point()))
+    return root
+
+
+def sharded_model(shapes: dict[str, tuple[int, ...]], mesh: DeviceMesh) -> nn.Module:
+    """A bf16 model of ``shapes`` built on the meta device, sharded by FSDP2's ``fully_shard`` over ``mesh``
+    and materialized on the mesh's device by ``to_empty``: its memory is not touched yet."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = module_with({name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in shapes.items()})
+    fully_shard(model, mesh=mesh)
+    return model.to_empty(device=mesh.device_type)

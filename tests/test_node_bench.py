@@ -1,0 +1,37 @@
+"""benchmarks/node_bench.py's fio reference: N jobs at once, dealt over a target's directories, bytes summed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from node_bench import Jobs, share_of
+
+from fp_dcp.units import MiB
+
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (make system-deps does it)")
+
+
+@needs_fio
+def test_fio_jobs_write_a_file_each_dealt_over_the_directories_and_report_every_jobs_bytes(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    jobs = Jobs(depth=2, block=MiB, jobs=4, direct=False)  # buffered: any filesystem takes it
+    assert "--direct=0" in jobs.args("x", "write", MiB) and "--direct=1" not in jobs.args("x", "write", MiB)
+    wrote = jobs.run(":".join(map(str, dirs)), "write", 2 * MiB)
+    assert wrote.bytes == 4 * 2 * MiB
+    assert sorted(os.listdir(dirs[0])) == ["fio.0", "fio.2"]
+    assert sorted(os.listdir(dirs[1])) == ["fio.1", "fio.3"]
+    assert all(os.path.getsize(d / n) == 2 * MiB for d in dirs for n in os.listdir(d))
+    read = jobs.run(":".join(map(str, dirs)), "read", 2 * MiB)
+    assert read.bytes == 4 * 2 * MiB and read.seconds > 0
+
+
+def test_one_ranks_share_is_fsdp2s_first_and_largest_chunk_of_dim_0():
+    assert share_of({"w": (10, 3), "norm": (8,)}, 4) == {"w": (3, 3), "norm": (2,)}
