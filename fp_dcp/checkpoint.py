@@ -48,7 +48,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import _cio
 from .compat import is_item_location, item_fields
@@ -60,6 +60,7 @@ from .errors import (
 )
 from .format import (
     METADATA_NAME,
+    NODE_MARKER,
     TRAILER_SIZE,
     ItemLocation,
     decode_footer,
@@ -68,6 +69,7 @@ from .format import (
     is_fp_metadata,
 )
 from .safetensors_format import INDEX_NAME, SUFFIX
+from .structure import check_structure
 
 __all__ = [
     "Kind",
@@ -77,6 +79,8 @@ __all__ = [
     "published_files",
     "referenced_files",
     "is_safetensors_directory",
+    "node_of",
+    "saved_at",
 ]
 
 Kind = Literal["fp", "dcp"]
@@ -130,6 +134,8 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
         raise NotACheckpointError(
             f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
         ) from None
+    except IsADirectoryError:
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is a directory") from None
 
 
 def _stock_metadata(data: bytes) -> Metadata | None:
@@ -167,6 +173,7 @@ def open_checkpoint(
         stock = _stock_metadata(data)
         if stock is None:
             raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
+        check_structure(stock, where)
         names = {info.relative_path for info in stock.storage_data.values()}
         files = {name: os.path.join(directory, name) for name in names}
         return Checkpoint(directory, "dcp", stock, None, files, {}, crc)
@@ -176,8 +183,9 @@ def open_checkpoint(
         metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    check_structure(metadata, where, footer["files"])
     owners = _owners(directory, footer)
-    files = _locate(directory, metadata, footer, data_dirs, owners)
+    files = _locate(directory, footer, saved_at(metadata, where), data_dirs, owners)
     sizes = {name: entry["size"] for name, entry in footer["files"].items()}
     return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc, owners)
 
@@ -219,16 +227,32 @@ def referenced_files(directory: str) -> dict[str, str]:
     raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
 
 
+def saved_at(metadata: Metadata, where: str) -> str:
+    """The checkpoint's path as the saving process named it (``storage_meta.checkpoint_id``); "" if None.
+
+    A ``str``, or an ``os.PathLike`` giving one; anything else is damage.
+    """
+    meta = metadata.storage_meta
+    if meta is None:
+        return ""
+    if not isinstance(meta, StorageMeta):
+        raise CorruptCheckpointError(f"{where}: storage_meta is {type(meta).__name__}, not a StorageMeta")
+    checkpoint_id = meta.checkpoint_id
+    path = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if checkpoint_id is not None and not isinstance(path, str):
+        raise CorruptCheckpointError(f"{where}: storage_meta.checkpoint_id is {checkpoint_id!r}, not a path")
+    return path or ""
+
+
 def _locate(
     directory: str,
-    metadata: Metadata,
     footer: dict[str, Any],
+    saved_at: str,
     data_dirs: Sequence[str | os.PathLike[str]] | None,
     owners: dict[str, str],
 ) -> dict[str, str]:
     given = [os.fspath(d) for d in data_dirs] if data_dirs else []
-    recorded: list[str] = footer.get("data_dirs") or []
-    saved_at = os.fspath(metadata.storage_meta.checkpoint_id or "") if metadata.storage_meta is not None else ""
+    recorded: list[str] = footer.get("data_dirs", [])
     paths = {}
     for name, entry in footer["files"].items():
         index = entry["dir"]
@@ -303,6 +327,19 @@ def is_safetensors_directory(path: str | os.PathLike[str]) -> bool:
     if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, METADATA_NAME)):
         return False
     return any(name.endswith(SUFFIX) or name == INDEX_NAME for name in os.listdir(directory))
+
+
+def node_of(directory: str) -> str | None:
+    """The node whose copy of a tiered step ``directory`` is (its ``.node``, UTF-8), else None.
+
+    Such a copy may hold only that node's data files: missing ones are on
+    other nodes' roots or the durable root, and the copy is partial, not damaged.
+    """
+    try:
+        with open(os.path.join(directory, NODE_MARKER), "rb") as f:
+            return f.read().decode("utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
 
 
 def published_files(directory: str) -> set[str]:
