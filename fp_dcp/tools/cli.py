@@ -110,6 +110,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"BAD  {problem}")
         verdict = "intact" if intact else f"DAMAGED ({plural(len(report.problems), 'problem')})"
+        if report.partial:  # a node's copy of a tiered step: not damage
+            verdict = report.partial if intact else f"{verdict}, {report.partial}"
         checked = (
             f"{human(report.bytes)} checked" if report.checksums else "no checksums stored (files and sizes checked)"
         )
