@@ -23,6 +23,7 @@ A directory without ``.metadata`` is not a checkpoint, whatever else it holds.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -352,13 +353,23 @@ class _Unpickler(pickle.Unpickler):
 
 
 def unpickle_metadata(body: bytes, where: str) -> Any:
-    """The object pickled in ``body`` (checksum already checked); a pickle that does not load is damage."""
+    """The object pickled in ``body`` (checksum already checked); a pickle that does not load is damage.
+
+    The garbage collector is off meanwhile: unpickling makes objects only
+    (DCP's metadata holds no cycles), and collections triggered by every few
+    hundred of them made opening 20,000 items about 4 times slower.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return _Unpickler(body, where).load()
     except IncompatibleCheckpointError:
         raise
     except Exception as e:  # the bytes are as written (the checksum matched), yet no object
         raise CorruptCheckpointError(f"{where}: metadata pickle does not unpickle ({type(e).__name__}: {e})") from None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def is_fp_metadata(data: bytes) -> bool:
