@@ -2,9 +2,12 @@
 
 ``open_checkpoint`` reads ``.metadata`` once, tells an fp-dcp checkpoint
 from a torch ``FileSystemWriter`` one (the stock ``.metadata`` is unpickled
-once, here), checks fp-dcp's checksums, and says where every data file is
-now. The reader, ``verify``, ``convert``, ``inspect`` and the commit
-protocol all start here.
+once, here), checks fp-dcp's checksums and footer (``fp_dcp.format``) and
+the metadata of either kind (``fp_dcp.structure``: every tensor's chunks
+tile it, every item is where the footer allows), and says where every data
+file is now. The reader, ``verify``, ``convert``, ``inspect`` and the commit
+protocol all start here, so a load that would be partial or wrong fails
+before it reads anything.
 
 Where the data files are: without ``data_dirs`` at save time, beside
 ``.metadata``. With them, file ``name`` with footer entry ``dir = i`` is
