@@ -84,6 +84,7 @@ __all__ = [
     "is_safetensors_directory",
     "node_of",
     "saved_at",
+    "decode_checked",
 ]
 
 Kind = Literal["fp", "dcp"]
@@ -180,13 +181,7 @@ def open_checkpoint(
         names = {info.relative_path for info in stock.storage_data.values()}
         files = {name: os.path.join(directory, name) for name in names}
         return Checkpoint(directory, "dcp", stock, None, files, {}, crc)
-    metadata, footer = decode_metadata(data, where)
-    # every reader of an opened checkpoint sees locations as ItemLocation tuples, whatever the version
-    try:
-        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
-    check_structure(metadata, where, footer["files"])
+    metadata, footer = decode_checked(data, where)
     owners = _owners(directory, footer)
     files = _locate(directory, footer, saved_at(metadata, where), data_dirs, owners)
     sizes = {name: entry["size"] for name, entry in footer["files"].items()}
@@ -228,6 +223,20 @@ def referenced_files(directory: str) -> dict[str, str]:
     except FileNotFoundError:
         raise NotACheckpointError(f"{directory} holds no checkpoint: {METADATA_NAME} is missing") from None
     raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
+
+
+def decode_checked(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
+    """(Metadata, footer) of fp-dcp ``.metadata`` bytes, every check opening makes of them done.
+
+    The metadata's locations are ``ItemLocation`` tuples, whatever the format version.
+    """
+    metadata, footer = decode_metadata(data, where)
+    try:
+        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    check_structure(metadata, where, footer["files"])
+    return metadata, footer
 
 
 def saved_at(metadata: Metadata, where: str) -> str:
