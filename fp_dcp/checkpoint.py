@@ -2,9 +2,12 @@
 
 ``open_checkpoint`` reads ``.metadata`` once, tells an fp-dcp checkpoint
 from a torch ``FileSystemWriter`` one (the stock ``.metadata`` is unpickled
-once, here), checks fp-dcp's checksums, and says where every data file is
-now. The reader, ``verify``, ``convert``, ``inspect`` and the commit
-protocol all start here.
+once, here), checks fp-dcp's checksums and footer (``fp_dcp.format``) and
+the metadata of either kind (``fp_dcp.structure``: every tensor's chunks
+tile it, every item is where the footer allows), and says where every data
+file is now. The reader, ``verify``, ``convert``, ``inspect`` and the commit
+protocol all start here, so a load that would be partial or wrong fails
+before it reads anything.
 
 Where the data files are: without ``data_dirs`` at save time, beside
 ``.metadata``. With them, file ``name`` with footer entry ``dir = i`` is
@@ -48,7 +51,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import _cio
 from .compat import is_item_location, item_fields
@@ -60,6 +63,7 @@ from .errors import (
 )
 from .format import (
     METADATA_NAME,
+    NODE_MARKER,
     TRAILER_SIZE,
     ItemLocation,
     decode_footer,
@@ -68,6 +72,7 @@ from .format import (
     is_fp_metadata,
 )
 from .safetensors_format import INDEX_NAME, SUFFIX
+from .structure import check_structure
 
 __all__ = [
     "Kind",
@@ -77,6 +82,9 @@ __all__ = [
     "published_files",
     "referenced_files",
     "is_safetensors_directory",
+    "node_of",
+    "saved_at",
+    "decode_checked",
 ]
 
 Kind = Literal["fp", "dcp"]
@@ -130,6 +138,8 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
         raise NotACheckpointError(
             f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
         ) from None
+    except IsADirectoryError:
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is a directory") from None
 
 
 def _stock_metadata(data: bytes) -> Metadata | None:
@@ -167,17 +177,13 @@ def open_checkpoint(
         stock = _stock_metadata(data)
         if stock is None:
             raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
+        check_structure(stock, where)
         names = {info.relative_path for info in stock.storage_data.values()}
         files = {name: os.path.join(directory, name) for name in names}
         return Checkpoint(directory, "dcp", stock, None, files, {}, crc)
-    metadata, footer = decode_metadata(data, where)
-    # every reader of an opened checkpoint sees locations as ItemLocation tuples, whatever the version
-    try:
-        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    metadata, footer = decode_checked(data, where)
     owners = _owners(directory, footer)
-    files = _locate(directory, metadata, footer, data_dirs, owners)
+    files = _locate(directory, footer, saved_at(metadata, where), data_dirs, owners)
     sizes = {name: entry["size"] for name, entry in footer["files"].items()}
     return Checkpoint(directory, "fp", metadata, footer, files, sizes, crc, owners)
 
@@ -219,16 +225,46 @@ def referenced_files(directory: str) -> dict[str, str]:
     raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
 
 
+def decode_checked(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
+    """(Metadata, footer) of fp-dcp ``.metadata`` bytes, every check opening makes of them done.
+
+    The metadata's locations are ``ItemLocation`` tuples, whatever the format version.
+    """
+    metadata, footer = decode_metadata(data, where)
+    try:
+        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    check_structure(metadata, where, footer["files"])
+    return metadata, footer
+
+
+def saved_at(metadata: Metadata, where: str) -> str:
+    """The checkpoint's path as the saving process named it (``storage_meta.checkpoint_id``); "" if None.
+
+    A ``str``, or an ``os.PathLike`` giving one; anything else is damage.
+    """
+    meta = metadata.storage_meta
+    if meta is None:
+        return ""
+    if not isinstance(meta, StorageMeta):
+        raise CorruptCheckpointError(f"{where}: storage_meta is {type(meta).__name__}, not a StorageMeta")
+    checkpoint_id = meta.checkpoint_id
+    path = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if checkpoint_id is not None and not isinstance(path, str):
+        raise CorruptCheckpointError(f"{where}: storage_meta.checkpoint_id is {checkpoint_id!r}, not a path")
+    return path or ""
+
+
 def _locate(
     directory: str,
-    metadata: Metadata,
     footer: dict[str, Any],
+    saved_at: str,
     data_dirs: Sequence[str | os.PathLike[str]] | None,
     owners: dict[str, str],
 ) -> dict[str, str]:
     given = [os.fspath(d) for d in data_dirs] if data_dirs else []
-    recorded: list[str] = footer.get("data_dirs") or []
-    saved_at = os.fspath(metadata.storage_meta.checkpoint_id or "") if metadata.storage_meta is not None else ""
+    recorded: list[str] = footer.get("data_dirs", [])
     paths = {}
     for name, entry in footer["files"].items():
         index = entry["dir"]
@@ -303,6 +339,19 @@ def is_safetensors_directory(path: str | os.PathLike[str]) -> bool:
     if not os.path.isdir(directory) or os.path.exists(os.path.join(directory, METADATA_NAME)):
         return False
     return any(name.endswith(SUFFIX) or name == INDEX_NAME for name in os.listdir(directory))
+
+
+def node_of(directory: str) -> str | None:
+    """The node whose copy of a tiered step ``directory`` is (its ``.node``, UTF-8), else None.
+
+    Such a copy may hold only that node's data files: missing ones are on
+    other nodes' roots or the durable root, and the copy is partial, not damaged.
+    """
+    try:
+        with open(os.path.join(directory, NODE_MARKER), "rb") as f:
+            return f.read().decode("utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
 
 
 def published_files(directory: str) -> set[str]:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -468,6 +469,60 @@ def test_huge_pages_reserved_are_given_back_also_on_interrupt(hugepage_knobs):
             assert page is None and why == "the kernel found 0 of the 34 huge pages asked for: memory too fragmented"
             raise KeyboardInterrupt
     assert knob.read_text() == "0\n"
+
+
+HOLD_HUGE_PAGES = """
+import subprocess, sys
+from fp_dcp.tools import fio
+if sys.argv[1] != "real":
+    fio.NR_HUGEPAGES, fio.MEMINFO = sys.argv[1], sys.argv[2]
+with fio.huge_pages(8 * 2**20) as (page, why):
+    fio_run = subprocess.Popen(["sleep", "600"])  # fio's place: a child the signal may reach too
+    try:
+        print("reserved", flush=True)
+        fio_run.wait()
+    finally:  # as subprocess.run does
+        fio_run.kill()
+        fio_run.wait()
+"""
+
+
+@pytest.mark.parametrize("knobs", ["fake", "real"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_huge_pages_are_given_back_when_a_signal_ends_the_process(hugepage_knobs, knobs, how):
+    """A real process holding reserved huge pages, ended by a real signal: nr_hugepages is back as it was."""
+    fake = knobs == "fake"
+    knob = Path(fio.NR_HUGEPAGES) if fake else Path("/proc/sys/vm/nr_hugepages")
+    if not fake and (os.geteuid() != 0 or not knob.exists()):
+        pytest.skip("changing the kernel's nr_hugepages needs root")
+    before = knob.read_text()
+    args = [fio.NR_HUGEPAGES, fio.MEMINFO] if fake else ["real"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_HUGE_PAGES, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "reserved\n"
+        raised = knob.read_text()
+        if knobs == "real" and raised == before:
+            pytest.skip("the kernel had the huge pages free already: nothing was reserved")
+        assert int(raised) > int(before)
+        if how == "SIGTERM":
+            os.kill(child.pid, signal.SIGTERM)  # kill PID: the process alone
+        else:
+            os.killpg(child.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, fio's place included
+        status = child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if knob.read_text() != before:  # the test must leave the machine as it found it, whatever happened
+            knob.write_text(before)
+            pytest.fail(f"nr_hugepages was left at the child's value; put back to {before.strip()}")
+    assert status == (128 + signal.SIGTERM if how == "SIGTERM" else -signal.SIGINT)
 
 
 def test_huge_pages_refused_say_why(hugepage_knobs, monkeypatch):

@@ -6,6 +6,7 @@ safetensors stores no checksums, so every structural fault gets a test of its ow
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -178,3 +179,44 @@ def test_a_target_of_another_shape_than_planned_names_the_file_and_tensor(tmp_pa
     two_tensors(tmp_path)
     message = load_error(tmp_path, state_ab(), planner=WrongTargets())
     assert "target for 'b' (chunk at [0]) in model.safetensors bytes" in message and "has shape [9]" in message
+
+
+def sharded(directory, shards: list[tuple[str, list[int], list[int]]]) -> None:
+    """One safetensors file per (name, saved_offsets, shape) chunk of tensor 'w', as save_distributed writes them."""
+    for name, offsets, shape in shards:
+        n = math.prod(shape)
+        info = json.dumps({"w": {"saved_offsets": offsets}})
+        header = {
+            "__metadata__": {"DCP_SHARDING_INFO": info},
+            "w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4 * n]},
+        }
+        raw_file(os.path.join(directory, name), header, bytes(4 * n))
+
+
+@pytest.mark.parametrize(
+    ("shards", "fault"),
+    [
+        (
+            [("a.safetensors", [0, 0], [4, 4]), ("b.safetensors", [6, 0], [2, 4])],
+            "tensor 'w' of size [8, 4], stored in a.safetensors, b.safetensors: element [4, 0] is in no chunk",
+        ),
+        (
+            [("a.safetensors", [0, 0], [4, 4]), ("b.safetensors", [2, 0], [6, 4])],
+            "tensor 'w' of size [8, 4], stored in a.safetensors, b.safetensors: its chunks at [0, 0] and [2, 0] both "
+            "hold [2:4, 0:4]",
+        ),
+        (
+            [("a.safetensors", [4, 0], [4, 4])],  # a lone shard of a larger tensor: its rows 0..3 are elsewhere
+            "tensor 'w' of size [8, 4], stored in a.safetensors: element [0, 0] is in no chunk",
+        ),
+    ],
+    ids=["gap", "overlap", "one-shard-of-two"],
+)
+def test_sharded_chunks_that_do_not_tile_their_tensor(tmp_path, shards, fault):
+    sharded(tmp_path, shards)
+    with pytest.raises(CorruptCheckpointError) as e:
+        FastPersistReader(tmp_path).read_metadata()
+    assert fault in str(e.value)
+    target = {"w": torch.full((8, 4), -1.0)}
+    assert fault in load_error(tmp_path, target)
+    assert torch.equal(target["w"], torch.full((8, 4), -1.0))  # refused before anything was read into it

@@ -27,9 +27,9 @@ from tiers_util import (
 )
 
 import fp_dcp.tiers.store
-from fp_dcp import CheckpointManager, DurableStorageError, list_steps
+from fp_dcp import CheckpointManager, DurableStorageError, list_steps, verify_checkpoint
 from fp_dcp.load.verify import StreamCheck
-from fp_dcp.tiers import FsspecStore, PosixStore, Retry
+from fp_dcp.tiers import FsspecStore, PosixStore, Retry, parse_step_name
 
 WORLD = 4
 
@@ -110,6 +110,10 @@ def test_c_a_damaged_durable_object_is_caught_and_an_older_intact_step_restored(
         (1, "partial", ("durable",)),
         (2, "partial", ("durable",)),
     }
+    report = verify_checkpoint(os.path.join(local_root(tmp, "b"), "step-1"))  # the files there checked, no damage
+    assert report.ok and report.problems == [] and report.bytes > 0, report
+    assert report.partial == "partial: node b's files only (1 of 2 data files), complete with the other tiers' roots"
+    assert {s.status for s in list_steps(local_root(tmp, "b"), verify=True)} == {"partial"}
     drop_node(tmp, "a")
     drop_node(tmp, "b")
     flip_byte(data_files(os.path.join(durable, "step-2"), (2,))[0])
@@ -198,10 +202,13 @@ def test_a_durable_root_that_cannot_be_pruned_is_reported_on_every_rank_and_hang
     assert list_steps(local_root(tmp, "a"))[-1].copies == ("durable",)
 
 
-NOT_STEPS = ["step-\u00b2", "step-\u0663", "step-", "step-1a", "step--1", "step-+1", "step- 1"]  # ², Arabic-Indic 3
+# ², Arabic-Indic 3; and leading zeros: step-01 beside step-1 would be a second directory of one step
+NOT_STEPS = ["step-\u00b2", "step-\u0663", "step-", "step-1a", "step--1", "step-+1", "step- 1", "step-01", "step-007"]
 
 
-def test_only_step_and_ascii_digits_name_a_step_in_every_tier(tmp_path):
+def test_only_the_names_step_name_writes_name_a_step_in_every_tier(tmp_path):
+    assert [parse_step_name(f"step-{n}") for n in (0, 7, 10, 1234)] == [0, 7, 10, 1234]
+    assert [parse_step_name(name) for name in NOT_STEPS] == [None] * len(NOT_STEPS)
     durable = str(tmp_path / "durable")
     state = {"w": torch.arange(1000.0)}
     with CheckpointManager(tmp_path / "run-{node}", durable=durable, keep_durable=1) as mgr:

@@ -14,19 +14,23 @@ from dist_util import run_ranks
 from test_bad_input import rewrite_footer
 from test_distributed import SHAPES
 from test_distributed import _save as distributed_save
+from test_format_rules import edit
 from test_roundtrip import ENGINES, check_equal, mixed_state
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import Shard
 
 from fp_dcp import (
     CorruptCheckpointError,
     FastPersistReader,
+    FastPersistWriter,
     IncompatibleCheckpointError,
     NotACheckpointError,
     format,
     verify_checkpoint,
 )
+from fp_dcp.format import HASHING
 
 FLIPS = 60
 
@@ -215,3 +219,51 @@ def test_checkpoint_saved_by_three_ranks(ckpt):
     f.write_bytes(bytes(damaged))
     (problem,) = verify_checkpoint(ckpt).problems
     assert "checksum mismatch" in problem and "(chunk at [" in problem and f.name in problem
+
+
+def test_a_nodes_copy_lacking_other_nodes_files_is_partial_and_what_it_holds_is_checked(three_files, capsys):
+    """A tiered step's copy on one node (``.node``) holds that node's files: the others are no damage."""
+    from fp_dcp.tools.cli import main
+
+    files = data_files(three_files)
+    files[0].unlink()
+    files[2].unlink()
+    assert not verify_checkpoint(three_files).ok  # without .node, a missing file is damage
+    (three_files / ".node").write_text("n1\n")
+    report = verify_checkpoint(three_files)
+    assert report.ok and report.problems == [] and report.files == 3, report
+    assert report.bytes == sum(stop - start for file, start, stop, _ in spans(three_files) if file == files[1].name)
+    assert report.partial == "partial: node n1's files only (1 of 3 data files), complete with the other tiers' roots"
+    assert main(["verify", str(three_files)]) == 0
+    assert f"{three_files}: partial: node n1's files only" in capsys.readouterr().out
+    damaged = bytearray(files[1].read_bytes())
+    damaged[-1] ^= 1  # its padding
+    files[1].write_bytes(bytes(damaged))
+    report = verify_checkpoint(three_files)
+    assert not report.ok and report.partial and len(report.problems) == 1 and "not zero" in report.problems[0]
+    assert main(["verify", str(three_files)]) == 1
+    assert "DAMAGED (1 problem), partial: node n1's files only" in capsys.readouterr().out
+    files[1].write_bytes(bytes(damaged[:4096]))  # a file of this node's cut short: damage, not partial
+    report = verify_checkpoint(three_files)
+    assert any(f"{files[1].name} is truncated" in p for p in report.problems), report.problems
+
+
+@pytest.mark.skipif(not HASHING, reason="fp_dcp._cio was built without libxxhash")
+def test_an_incremental_saves_hashes_are_checked_where_the_crc_agrees(ckpt):
+    with FastPersistWriter(ckpt, incremental=True) as writer:
+        dcp.save(state(), storage_writer=writer, no_dist=True)
+    assert verify_checkpoint(ckpt).ok
+    for index, location in FastPersistReader(ckpt).read_metadata().storage_data.items():
+        assert location.xxh3_128 is not None, index  # every item of an incremental save has its hash
+
+    def spoil(md, footer):
+        info = md.storage_data[MetadataIndex("big", [0, 0])]
+        info.xxh3_128, info.xxh3_sample = "0" * 32, "f" * 32
+
+    edit(ckpt, metadata=spoil)
+    (problem,) = verify_checkpoint(ckpt).problems
+    assert problem.startswith("hash mismatch for 'big' (chunk at [0, 0])") and "(its CRC-32C matches)" in problem
+    assert f"xxh3_128 stored {'0' * 32}, read " in problem and f"xxh3_sample stored {'f' * 32}, read " in problem
+    target = empty_like(state())
+    load(target, ckpt)  # the loader checks the CRC-32C, which holds
+    check_equal(state(), target)

@@ -54,6 +54,7 @@ from ..safetensors_format import (
     parse_header,
     parse_index,
 )
+from ..tiling import tiling_fault
 from .catalog import Catalog, ChunkKey
 
 __all__ = [
@@ -170,7 +171,7 @@ def _at(key: ChunkKey) -> str:
 def _tensors(
     chunks: dict[ChunkKey, tuple[torch.Size, torch.dtype]], where: dict[ChunkKey, str]
 ) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
-    """Each tensor's DCP metadata: dtype, whole size, chunks, which must tile it exactly."""
+    """Each tensor's DCP metadata: dtype, whole size (reaching every chunk), chunks, which must tile it exactly."""
     by_fqn: dict[str, list[ChunkKey]] = defaultdict(list)
     for key in chunks:
         by_fqn[key[0]].append(key)
@@ -182,32 +183,17 @@ def _tensors(
                 f"tensor {fqn!r} is stored in chunks of different dtypes ({', '.join(sorted(map(str, dtypes)))}) "
                 f"in {', '.join(sorted({where[k] for k in keys}))}"
             )
+        files = ", ".join(sorted({where[k] for k in keys}))
         boxes = [(k[1], tuple(chunks[k][0])) for k in keys]
+        if len({len(o) for o, _ in boxes}) > 1:
+            raise CorruptCheckpointError(f"tensor {fqn!r}: its chunks in {files} differ in rank")
         size = [max(o[d] + s[d] for o, s in boxes) for d in range(len(boxes[0][0]))]
-        _check_tiling(fqn, size, boxes, [where[k] for k in keys])
+        fault = tiling_fault(size, boxes)  # the size reaches every chunk: none lies outside it
+        if fault is not None:
+            raise CorruptCheckpointError(f"tensor {fqn!r} of size {size}, stored in {files}: {fault}")
         out[fqn] = TensorStorageMetadata(
             TensorProperties(dtype=dtypes.pop()),
             torch.Size(size),
             [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes],
         )
     return out
-
-
-def _check_tiling(
-    fqn: str, size: list[int], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], files: list[str]
-) -> None:
-    """The chunks cover the whole tensor once (else a resharded load would leave parts of a target unset)."""
-    if len(boxes) == 1:
-        return  # one chunk at its offsets: the size is taken from it
-    if any(len(o) != len(size) for o, _ in boxes):
-        raise CorruptCheckpointError(f"tensor {fqn!r}: its chunks in {', '.join(files)} differ in rank")
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb, strict=True)):
-                raise CorruptCheckpointError(f"tensor {fqn!r}: chunks at {list(oa)} and {list(ob)} overlap")
-    covered = sum(torch.Size(s).numel() for _, s in boxes)
-    if covered != torch.Size(size).numel():
-        raise CorruptCheckpointError(
-            f"tensor {fqn!r} of size {size}: its chunks in {', '.join(sorted(set(files)))} cover {covered} "
-            f"of its {torch.Size(size).numel()} elements"
-        )

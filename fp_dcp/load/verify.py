@@ -1,15 +1,27 @@
 """Check a whole checkpoint without loading it: ``verify_checkpoint``.
 
-A load checks what it reads; this checks everything, once, front to back:
+A load checks what it reads; this checks everything, once, front to back
+(docs/format.md's table of checks lists each, and who makes it):
 
-- ``.metadata``: its trailer, footer and pickle checksums (``format.decode_metadata``);
-- every data file the footer lists: present, and exactly the size it was written with;
-- every item: inside its file, its length that of its shape and dtype, its CRC-32C;
+- ``.metadata``: everything opening a checkpoint checks
+  (``fp_dcp.checkpoint.open_checkpoint``: trailer, footer and pickle
+  checksums, the footer's keys and ranges, item locations, the tiling of
+  every tensor's chunks); then that every stored item is one the metadata
+  describes;
+- every data file the footer lists: present, exactly the size it was
+  written with, holding at least one item, and (a file of this save) of
+  the size its last item's end rounds up to;
+- every item: inside its file, not overlapping another, its CRC-32C, and
+  the XXH3-128 hashes an incremental save stored with it;
 - the bytes between, before and after the items: zeros, as the format
   specifies. So a flipped byte anywhere in a data file is found, not only one
   inside an item (a load would not notice one in the padding, nor need to).
   In a file an incremental save referenced in an earlier checkpoint, only
   the items it references are checked (the rest belong to that checkpoint).
+
+A node's copy of a tiered step (``.node``) may lack the files of other
+nodes: those are reported as ``partial``, not as problems, and the files
+it holds are checked.
 
 Data files are read through the same engine and in-flight window as loads
 (io_uring or threads, O_DIRECT where the filesystem allows, so the disk's
@@ -36,10 +48,10 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from .. import _cio
-from ..checkpoint import Checkpoint, is_safetensors_directory, open_checkpoint
+from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_checkpoint
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
-from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
+from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
 from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
 from ..io.extents import Extent, Piece, Window, plan_extents
@@ -47,6 +59,7 @@ from ..io.files import DataFile, open_file
 from ..io.progress import Progress, ProgressCallback
 from ..units import PAGE, MiB, align_up
 from .catalog import FastPersistCatalog
+from .hashes import ItemHashes
 
 __all__ = [
     "VerifyReport",
@@ -80,6 +93,10 @@ class VerifyReport:
         files: data files the metadata lists.
         checksums: False for a torch ``FileSystemWriter`` checkpoint, which
             stores none: then only file presence and sizes were checked.
+        partial: for a node's copy of a tiered step (``.node``) that lacks
+            data files, what it holds ("" otherwise): the files there are
+            checked, the absent ones are on other nodes' roots or the
+            durable root, and their absence is no problem.
     """
 
     path: str
@@ -89,6 +106,7 @@ class VerifyReport:
     bytes: int
     files: int
     checksums: bool = True
+    partial: str = ""
 
 
 def verify_checkpoint(
@@ -130,20 +148,18 @@ def verify_checkpoint(
     if checkpoint.kind == "dcp":
         return _verify_stock(checkpoint)
     catalog = FastPersistCatalog(checkpoint)
-    problems = _check_metadata(checkpoint.metadata, catalog)
-    by_file: dict[str, list[_Item]] = {name: [] for name in catalog.paths}
-    for index, loc in catalog.locations.items():
-        if loc.file in by_file:
-            by_file[loc.file].append((index, loc))
-        else:
-            problems.append(f"{describe_item(index, loc)}: the metadata footer does not list data file {loc.file}")
+    problems = _undescribed(checkpoint.metadata, catalog)
+    by_file = items_by_file(checkpoint)
+    problems += _file_problems(checkpoint, by_file)
+    absent, partial = _absent_from_node(checkpoint)
+    present = {name: items for name, items in by_file.items() if name not in absent}
 
-    tracker = Progress("verify", sum(catalog.file_sizes.values()), callback=progress)
+    tracker = Progress("verify", sum(catalog.file_sizes[name] for name in present), callback=progress)
     checked = 0
     io = scan_resources(max(catalog.file_sizes.values(), default=1))
     try:
         engine, pool = io.get()
-        for name, items in by_file.items():
+        for name, items in present.items():
             size = catalog.file_sizes[name]
             before = tracker.done
             whole = name not in checkpoint.owners
@@ -152,7 +168,8 @@ def verify_checkpoint(
     finally:
         io.close()
     tracker.finish()
-    return VerifyReport(directory, not problems, problems, len(catalog.locations), checked, len(catalog.paths))
+    stored = len(catalog.locations)
+    return VerifyReport(directory, not problems, problems, stored, checked, len(catalog.paths), partial=partial)
 
 
 def scan_resources(largest: int) -> IOResources:
@@ -161,28 +178,36 @@ def scan_resources(largest: int) -> IOResources:
     return IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))
 
 
-def _check_metadata(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
-    """Entries the metadata describes but stores nowhere, and stored lengths that disagree with shapes."""
+def _undescribed(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
+    """Stored items that no chunk or object of the metadata describes (opening checked the converse)."""
+    objects = {fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+
+    def described(index: MetadataIndex) -> bool:
+        return index.fqn in objects if index.offset is None else (index.fqn, tuple(index.offset)) in catalog.chunks
+
+    return [
+        f"{describe_item(index, loc)}: stored, but {METADATA_NAME} describes no such chunk or object"
+        for index, loc in catalog.locations.items()
+        if not described(index)
+    ]
+
+
+def _file_problems(checkpoint: Checkpoint, by_file: dict[str, list[_Item]]) -> list[str]:
+    """Files the footer lists that hold no item, and own files whose size is not their last item's end rounded up.
+
+    A file an entry with an ``owner`` names holds that checkpoint's other items too, past the referenced ones.
+    """
     problems = []
-    stored = {(index.fqn, tuple(index.offset) if index.offset is not None else None) for index in catalog.locations}
-    for fqn, md in metadata.state_dict_metadata.items():
-        chunks: list[tuple[int, ...] | None] = (
-            [None] if isinstance(md, BytesStorageMetadata) else [tuple(chunk.offsets) for chunk in md.chunks]
-        )
-        for offsets in chunks:
-            if (fqn, offsets) not in stored:
-                chunk = f" (chunk at {list(offsets)})" if offsets is not None else ""
-                problems.append(f"{fqn!r}{chunk}: {METADATA_NAME} describes it but stores no bytes for it")
-    for index, loc in catalog.locations.items():
-        if index.offset is None:
-            continue
-        shape = catalog.chunks.get((index.fqn, tuple(index.offset)))
-        if shape is None:
-            problems.append(f"{describe_item(index, loc)}: stored, but {METADATA_NAME} describes no such chunk")
-        elif chunk_nbytes(*shape) != loc.length:
-            problems.append(
-                f"{describe_item(index, loc)}: the length does not match shape {list(shape[0])} of {shape[1]}"
-            )
+    for name, items in by_file.items():
+        if not items:
+            problems.append(f"data file {name}: the footer lists it, but it holds no item")
+        elif name not in checkpoint.owners:
+            end = max(loc.offset + loc.length for _, loc in items)
+            if checkpoint.file_sizes[name] != align_up(end, PAGE):
+                problems.append(
+                    f"data file {name}: the footer gives size {checkpoint.file_sizes[name]}, but its last item ends "
+                    f"at byte {end}, so it was written as {align_up(end, PAGE)}"
+                )
     return problems
 
 
@@ -195,22 +220,42 @@ class FedRange(Protocol):
     def feed(self, data: memoryview, at: int) -> None: ...
 
 
+def _absent_from_node(checkpoint: Checkpoint) -> tuple[set[str], str]:
+    """The data files a node's copy of a tiered step lacks (other tiers hold them), and a line saying so."""
+    node = node_of(checkpoint.path)
+    if node is None:
+        return set(), ""
+    absent = {name for name, path in checkpoint.files.items() if not os.path.exists(path)}
+    if not absent:
+        return absent, ""
+    held = len(checkpoint.files) - len(absent)
+    return absent, (
+        f"partial: node {node}'s files only ({held} of {len(checkpoint.files)} data files), "
+        "complete with the other tiers' roots"
+    )
+
+
 class _Segment:
     """A byte range of a data file to check: an item's bytes (``item`` set) or padding (``item`` None)."""
 
-    __slots__ = ("start", "stop", "item", "crc", "nonzero", "first_nonzero")
+    __slots__ = ("start", "stop", "item", "crc", "hashes", "nonzero", "first_nonzero")
 
     def __init__(self, start: int, stop: int, item: _Item | None) -> None:
         self.start = start
         self.stop = stop
         self.item = item
         self.crc = 0
+        self.hashes = ItemHashes.of(item[1]) if item is not None else None
         self.nonzero = 0
         self.first_nonzero = -1
 
     def feed(self, data: memoryview, at: int) -> None:
         if self.item is not None:
-            self.crc = _cio.crc32c(data, self.crc)
+            if self.hashes is None:
+                self.crc = _cio.crc32c(data, self.crc)
+            else:
+                self.crc = _cio.crc32c(data, self.crc, self.hashes.hasher)
+                self.hashes.feed_sample(data, at - self.start)
             return
         flags = np.frombuffer(data, dtype=np.uint8)
         count = int(np.count_nonzero(flags))
@@ -227,9 +272,16 @@ class _Segment:
                 f"{self.first_nonzero} (damaged after the save; the items there are intact)"
             )
         index, loc = self.item
-        if self.crc == loc.crc32c:
-            return None
-        return checksum_mismatch(index, loc, self.crc)
+        if self.crc != loc.crc32c:
+            return checksum_mismatch(index, loc, self.crc)
+        return _hash_mismatch(index, self.hashes)
+
+
+def _hash_mismatch(index: MetadataIndex, hashes: ItemHashes | None) -> str | None:
+    """A problem line if the item's stored hashes disagree with its bytes (its CRC-32C agreeing)."""
+    if hashes is None or not (wrong := hashes.problems()):
+        return None
+    return f"hash mismatch for {describe_item(index, hashes.location)} (its CRC-32C matches): {'; '.join(wrong)}"
 
 
 def _segments(
@@ -257,8 +309,8 @@ def _segments(
             segments.append(_Segment(cursor, loc.offset, None))
         if loc.length:
             segments.append(_Segment(loc.offset, stop, (index, loc)))
-        elif loc.crc32c != 0:  # nothing to read: the checksum of no bytes is 0
-            problems.append(f"checksum mismatch for {describe_item(index, loc)}: stored {loc.crc32c:08x} for no bytes")
+        elif (wrong := _hash_mismatch(index, ItemHashes.of(loc))) is not None:  # its CRC-32C 0: opening checked
+            problems.append(wrong)
         nbytes += loc.length
         cursor = stop
     if cursor < size and padding:

@@ -33,13 +33,11 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from .. import _cio
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError
-from ..format import ItemLocation
+from ..format import HASHING, SAMPLE_MIN, SAMPLE_WINDOW, ItemLocation, sample_offsets
 from ..log import log
 from ..tensors import ByteSource
 
-__all__ = ["HASHING", "Base", "Incremental", "check_hashing", "digest", "sample_digest", "sample_offsets"]
-
-HASHING = hasattr(_cio, "Hash128")
+__all__ = ["HASHING", "Base", "Incremental", "check_hashing", "digest", "sample_digest"]
 
 T = TypeVar("T")
 
@@ -50,17 +48,6 @@ def check_hashing() -> None:
             "incremental saves need fp_dcp._cio built with libxxhash (Debian: apt-get install libxxhash-dev, "
             "then rebuild fp-dcp); this build has no content hash"
         )
-
-
-SAMPLE_WINDOWS = 16
-SAMPLE_WINDOW = 4096
-SAMPLE_MIN = SAMPLE_WINDOWS * SAMPLE_WINDOW  # smaller items have no sample: hashing all of them is as cheap
-
-
-def sample_offsets(length: int) -> list[int]:
-    """Where the windows of the sample of a ``length``-byte item start: the first at 0, the last at the end."""
-    last = length - SAMPLE_WINDOW
-    return [i * last // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
 
 
 def sample_digest(source: ByteSource) -> str | None:

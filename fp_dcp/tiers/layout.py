@@ -19,7 +19,7 @@ import secrets
 from typing import Any
 
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..format import METADATA_NAME, RETIRED_NAME, decode_footer, parse_data_file_name
+from ..format import METADATA_NAME, NODE_MARKER, RETIRED_NAME, decode_footer, parse_data_file_name
 from ..io.files import write_durably
 from ..load.verify import StreamCheck, items_by_file
 from ..save import commit
@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 
-_STEP = re.compile(r"step-([0-9]+)")  # [0-9]: \d and str.isdigit() take other scripts' digits too
+# as step_name writes N: [0-9], since \d and str.isdigit() take other scripts' digits too, and no leading zero
+_STEP = re.compile(r"step-(0|[1-9][0-9]*)")
 
 
 def step_name(step: int) -> str:
@@ -45,7 +46,11 @@ def step_name(step: int) -> str:
 
 
 def parse_step_name(name: str) -> int | None:
-    """N of a name that is ``step-`` and nothing but the ASCII digits of N (``step-007``: 7), else None."""
+    """N of a name ``step_name`` gives (``step-`` and N's ASCII digits, without a leading zero), else None.
+
+    ``step-007`` is no step: were it step 7, a root could hold two directories of one step (``step-7`` too),
+    and the tiers' keys name step 7's files ``step-7/...`` in every root.
+    """
     match = _STEP.fullmatch(name)
     return int(match.group(1)) if match else None
 
@@ -139,9 +144,6 @@ def mark_referenced(directory: str, name: str) -> None:
             listed = set(json.load(f)["files"])
     if name not in listed:
         write_durably(marker, json.dumps({"files": sorted(listed | {name})}))
-
-
-NODE_MARKER = ".node"  # in a node's directory of a step: the node's name (that copy may hold only its files)
 
 
 def mark_node(directory: str, node: str) -> None:

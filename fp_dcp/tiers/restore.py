@@ -29,8 +29,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..checkpoint import decode_checked
 from ..errors import CheckpointError
-from ..format import METADATA_NAME, decode_metadata
+from ..format import METADATA_NAME
 from ..load.verify import StreamCheck
 from ..log import log
 from ..net.group import Group
@@ -161,7 +162,7 @@ def _metadata(
             else:
                 with open(os.path.join(root, key), "rb") as f:
                     data = f.read()
-            decode_metadata(data, f"{source}:{key}")  # every checksum, pickle included
+            decode_checked(data, f"{source}:{key}")  # every check of opening it: checksums, tiling, locations
         except (CheckpointError, OSError) as e:
             log.warning("fp-dcp: the %s of step %d on %s cannot be used: %s", METADATA_NAME, step, source, e)
             data = None

@@ -111,6 +111,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"BAD  {problem}")
         verdict = "intact" if intact else f"DAMAGED ({plural(len(report.problems), 'problem')})"
+        if isinstance(report, VerifyReport) and report.partial:  # a node's copy of a tiered step: not damage
+            verdict = report.partial if intact else f"{verdict}, {report.partial}"
         print(f"{args.path}: {verdict}: {_checked(report)}, in {seconds:.1f} s")
     return 0 if intact else 1
 

@@ -21,7 +21,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 
 from ..units import MiB
@@ -114,7 +116,8 @@ def huge_pages(nbytes: int) -> Iterator[tuple[int | None, str]]:
     """At least ``nbytes`` of free huge pages while the block runs: yields (their size, "") or (None, why not).
 
     Raises ``nr_hugepages`` by the pages missing (which needs root) and puts
-    back the value it found afterwards, whatever ends the block.
+    back the value it found afterwards, whatever ends the block: an
+    exception, Ctrl-C, SIGTERM or SIGHUP (``_signals_unwind``).
     """
     try:
         page = _meminfo("Hugepagesize") * 1024
@@ -130,25 +133,56 @@ def huge_pages(nbytes: int) -> Iterator[tuple[int | None, str]]:
     if free >= need:
         yield page, ""
         return
-    refused = ""
+    with _signals_unwind():
+        refused = ""
+        try:
+            try:
+                with open(NR_HUGEPAGES, "w") as f:
+                    f.write(f"{before + need - free}\n")
+            except OSError as e:
+                who = "" if os.geteuid() == 0 else " (root only)"
+                refused = f"cannot reserve huge pages in {NR_HUGEPAGES}{who}: {e.strerror}"
+            if refused:
+                yield None, refused
+                return
+            got = _meminfo("HugePages_Free")
+            if got >= need:
+                yield page, ""
+            else:
+                yield None, f"the kernel found {got} of the {need} huge pages asked for: memory too fragmented"
+        finally:
+            if not refused:
+                with open(NR_HUGEPAGES, "w") as f:
+                    f.write(f"{before}\n")
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP end the process as ``sys.exit(128 + signal)`` does, unwinding it.
+
+    Their default action ends the process at once, skipping every
+    ``finally`` (Ctrl-C's SIGINT raises KeyboardInterrupt and unwinds
+    already): here they raise ``SystemExit`` in the main thread instead, so
+    the huge pages are given back, the fio child is killed and a
+    benchmark's files are removed on the way out, and the exit status is
+    the shell's for a killed process (143 for SIGTERM). Only the main
+    thread may set handlers: elsewhere, and for a signal that has a handler
+    of its own or is ignored, nothing changes.
+    """
+    taken = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                taken[signum] = signal.signal(signum, _exit_unwinding)
     try:
-        with open(NR_HUGEPAGES, "w") as f:
-            f.write(f"{before + need - free}\n")
-    except OSError as e:
-        who = "" if os.geteuid() == 0 else " (root only)"
-        refused = f"cannot reserve huge pages in {NR_HUGEPAGES}{who}: {e.strerror}"
-    if refused:
-        yield None, refused
-        return
-    try:
-        got = _meminfo("HugePages_Free")
-        if got >= need:
-            yield page, ""
-        else:
-            yield None, f"the kernel found {got} of the {need} huge pages asked for: memory too fragmented"
+        yield
     finally:
-        with open(NR_HUGEPAGES, "w") as f:
-            f.write(f"{before}\n")
+        for signum, previous in taken.items():
+            signal.signal(signum, previous)
+
+
+def _exit_unwinding(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager

@@ -18,13 +18,13 @@ import json
 import os
 from typing import Literal
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint import node_of, open_checkpoint
 from ..errors import CheckpointError, DataDirectoryNotFoundError
 from ..format import METADATA_NAME, RETIRED_NAME, parse_data_file_name
 from ..load.verify import verify_checkpoint
 from ..save import commit
 from ..save.commit import SaveLock
-from ..tiers import DURABLE_NAME, NODE_MARKER, REPLICATED_NAME, parse_step_name, step_name
+from ..tiers import DURABLE_NAME, REPLICATED_NAME, parse_step_name, step_name
 
 __all__ = [
     "StepInfo",
@@ -111,16 +111,10 @@ def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
     leftovers = tuple(sorted(set(_data_files(path)) - set(checkpoint.files)))
     info = StepInfo(step, path, "complete", size, published, "", written, references, copies, leftovers)
     absent = [name for name, n in sizes.items() if n < 0]
-    node = _node_of(path)
-    if (
-        absent
-        and node is not None
-        and len(absent) == sum(n < checkpoint.file_sizes.get(name, 0) for name, n in sizes.items())
-    ):
-        problem = f"node {node}'s copy: {len(sizes) - len(absent)} of {len(sizes)} data files, the rest on other nodes"
-        return dataclasses.replace(info, status="partial", problem=problem)
+    node = node_of(path)
+    partial = bool(absent) and node is not None
     for name, n in sizes.items():
-        if n < checkpoint.file_sizes.get(name, 0):
+        if n < checkpoint.file_sizes.get(name, 0) and not (partial and n < 0):
             what = "missing" if n < 0 else f"short ({n} of {checkpoint.file_sizes[name]} bytes)"
             problem = f"data file {checkpoint.files[name]} is {what}"
             return dataclasses.replace(info, status="corrupt", problem=problem)
@@ -128,20 +122,14 @@ def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
         report = verify_checkpoint(path)
         if not report.ok:
             return dataclasses.replace(info, status="corrupt", problem="; ".join(report.problems[:3]))
-        return dataclasses.replace(info, status="verified")
+        info = dataclasses.replace(info, status="verified")
+    if partial:
+        problem = f"node {node}'s copy: {len(sizes) - len(absent)} of {len(sizes)} data files, the rest on other nodes"
+        return dataclasses.replace(info, status="partial", problem=problem)
     return info
 
 
 _COPIES = (("replicated", REPLICATED_NAME), ("durable", DURABLE_NAME))
-
-
-def _node_of(path: str) -> str | None:
-    """The node whose copy of a step ``path`` is, for a step saved on node-local roots (``.node``)."""
-    try:
-        with open(os.path.join(path, NODE_MARKER)) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
 
 
 def step_state(path: str) -> Literal["published", "retired", "dead"]:

@@ -1,0 +1,784 @@
+"""Every check in docs/format.md's table, broken on purpose: the loader and ``verify`` do what the table says.
+
+The table is read from the page itself: each row names a check, when
+fp-dcp's loader makes it (``open``: before it reads or writes anything;
+``read``: as it reads) or that only ``verify`` does, and the error. Each
+row has at least one case here that breaks it, a hand-edited checkpoint,
+and every error class a row names is raised by one of its cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import shutil
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import failure
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+from fp_dcp import FastPersistReader, FastPersistWriter, _cio, errors, verify_checkpoint
+from fp_dcp.format import HASHING
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    check: str
+    made_by: frozenset[str]  # open, read, verify
+    errors: frozenset[str]
+
+
+def table() -> dict[str, Row]:
+    text = (ROOT / "docs" / "format.md").read_text()
+    section = text[text.index("## The checks") : text.index("## Reading a checkpoint with nothing but this page")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            made_by = frozenset(c.strip() for c in cells[2].split(","))
+            rows[cells[0].strip("`")] = Row(
+                cells[0].strip("`"), made_by, frozenset(re.findall(r"`(\w+Error)`", cells[3]))
+            )
+    return rows
+
+
+TABLE = table()
+
+
+def state() -> dict[str, Any]:
+    return {
+        "w": torch.arange(32.0).reshape(8, 4),
+        "w2": torch.arange(32.0).reshape(8, 4),  # the same bytes as w
+        "big": torch.arange(20_000.0),  # over 64 KiB: it has a sample hash
+        "o": {"step": 3},
+    }
+
+
+def target() -> dict[str, Any]:
+    """What a load fills: every value set to one that no checkpoint holds."""
+    return {
+        "w": torch.full((8, 4), -1.0),
+        "w2": torch.full((8, 4), -1.0),
+        "big": torch.full((20_000,), -1.0),
+        "o": {"step": -1},
+    }
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory) -> Path:
+    """fp-dcp's checkpoint `plain` (incremental, so with hashes), one saved with two data_dirs, a stock one."""
+    root = tmp_path_factory.mktemp("templates")
+    with FastPersistWriter(root / "plain", incremental=True) as writer:
+        dcp.save(state(), storage_writer=writer, no_dist=True)
+    dirs = [root / "disk0", root / "disk1"]
+    dcp.save(state(), storage_writer=FastPersistWriter(root / "dirs", data_dirs=dirs), no_dist=True)
+    dcp.save(state(), storage_writer=FileSystemWriter(str(root / "stock")), no_dist=True)
+    return root
+
+
+# ---- editing a checkpoint by hand
+
+
+def parts(path: Path) -> tuple[bytes, bytes, bytes]:
+    data = (path / ".metadata").read_bytes()
+    footer_len = struct.unpack("<I", data[-16:-12])[0]
+    return data[: len(data) - 16 - footer_len], data[-16 - footer_len : -16], data[-8:]
+
+
+def edit(
+    path: Path,
+    metadata: Callable[[Any, dict[str, Any]], None] | None = None,
+    footer: Callable[[dict[str, Any]], None] | None = None,
+    raw_footer: Callable[[dict[str, Any]], bytes] | None = None,
+    raw_pickle: bytes | None = None,
+) -> None:
+    """Rewrite fp-dcp `.metadata` with the edits, its lengths and checksums made to match."""
+    body, footer_bytes, magic = parts(path)
+    decoded = json.loads(footer_bytes)
+    if metadata is not None:
+        md = pickle.loads(body)
+        metadata(md, decoded)
+        body = pickle.dumps(md)
+    body = raw_pickle if raw_pickle is not None else body
+    decoded.update(pickle_length=len(body), pickle_crc32c=_cio.crc32c(body))
+    if footer is not None:
+        footer(decoded)
+    new = raw_footer(decoded) if raw_footer is not None else json.dumps(decoded).encode()
+    (path / ".metadata").write_bytes(body + new + struct.pack("<II", len(new), _cio.crc32c(new)) + magic)
+
+
+def edit_stock(path: Path, metadata: Callable[[Any], None]) -> None:
+    md = pickle.loads((path / ".metadata").read_bytes())
+    metadata(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def location(md: Any, fqn: str, offsets: list[int] | None = None) -> Any:
+    return md.storage_data[MetadataIndex(fqn, offsets)]
+
+
+def data_file(path: Path) -> Path:
+    (found,) = list(path.rglob("*.distcp"))
+    return found
+
+
+def only_file(footer: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    ((name, entry),) = footer["files"].items()
+    return name, entry
+
+
+def write_at(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def rekey(md: Any, fqn: str, old: list[int], new: list[int]) -> None:
+    md.storage_data[MetadataIndex(fqn, new)] = md.storage_data.pop(MetadataIndex(fqn, old))
+
+
+# ---- the cases: (check, how, the error, words the error or verify's problem holds, arrange)
+
+Arrange = Callable[[Path], dict[str, Any]]  # breaks the checkpoint at the path; returns the reader's kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    check: str
+    how: str
+    error: str
+    words: str
+    arrange: Arrange
+    template: str = "plain"
+
+    @property
+    def id(self) -> str:
+        return f"{self.check}: {self.how}"
+
+
+def edits(**kwargs: Any) -> Arrange:
+    def arrange(path: Path) -> dict[str, Any]:
+        edit(path, **kwargs)
+        return {}
+
+    return arrange
+
+
+def on_metadata(change: Callable[[Any], None]) -> Arrange:
+    return edits(metadata=lambda md, footer: change(md))
+
+
+def on_footer(change: Callable[[dict[str, Any]], None]) -> Arrange:
+    return edits(footer=change)
+
+
+def on_entry(change: Callable[[dict[str, Any]], None]) -> Arrange:
+    return on_footer(lambda footer: change(only_file(footer)[1]))
+
+
+def on_stock(change: Callable[[Any], None]) -> Arrange:
+    def arrange(path: Path) -> dict[str, Any]:
+        edit_stock(path, change)
+        return {}
+
+    return arrange
+
+
+def set_attr(fqn: str, offsets: list[int] | None, **values: Any) -> Arrange:
+    def change(md: Any) -> None:
+        for key, value in values.items():
+            setattr(location(md, fqn, offsets), key, value)
+
+    return on_metadata(change)
+
+
+def replace_magic(path: Path) -> dict[str, Any]:
+    data = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(data[:-8] + b"NOTFPDCP")
+    return {}
+
+
+def flip_footer_byte(path: Path) -> dict[str, Any]:
+    body, footer_bytes, _ = parts(path)
+    data = bytearray((path / ".metadata").read_bytes())
+    data[len(body) + footer_bytes.index(b'"byteorder"') + 2] ^= 0x01  # the b of byteorder
+    (path / ".metadata").write_bytes(bytes(data))
+    return {}
+
+
+def flip_pickle_byte(path: Path) -> dict[str, Any]:
+    data = bytearray((path / ".metadata").read_bytes())
+    data[len(data) // 4] ^= 0x01
+    (path / ".metadata").write_bytes(bytes(data))
+    return {}
+
+
+def twice(footer: dict[str, Any]) -> bytes:
+    return b'{"format": "fp-dcp", ' + json.dumps(footer).encode()[1:]
+
+
+def gap(md: Any) -> None:
+    md.state_dict_metadata["w"].size = torch.Size([10, 4])
+
+
+def overlap(md: Any) -> None:
+    tensor = md.state_dict_metadata["w"]
+    tensor.chunks.append(ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([4, 4])))
+    whole = location(md, "w", [0, 0])
+    half = pickle.loads(pickle.dumps(whole))  # rows 4..7 of w: its last 64 bytes
+    half.offset, half.length = whole.offset + 64, 64
+    half.crc32c = _cio.crc32c(torch.arange(16.0, 32.0).numpy().tobytes())
+    md.storage_data[MetadataIndex("w", [4, 0])] = half
+
+
+def outside(md: Any) -> None:
+    md.state_dict_metadata["w"].chunks[0].offsets = torch.Size([2, 0])
+    rekey(md, "w", [0, 0], [2, 0])
+
+
+def no_chunks(md: Any) -> None:
+    md.state_dict_metadata["w"].chunks = []
+    del md.storage_data[MetadataIndex("w", [0, 0])]
+
+
+def stock_gap(md: Any) -> None:
+    md.state_dict_metadata["w"].size = torch.Size([9, 4])
+
+
+def missing_class(path: Path) -> dict[str, Any]:
+    edit(path, raw_pickle=b"cfp_dcp_no_such_module\nMetadata\n.")
+    return {}
+
+
+def quantized(md: Any) -> None:
+    md.state_dict_metadata["w"].properties.dtype = torch.qint8
+
+
+def undescribed(md: Any) -> None:
+    md.storage_data[MetadataIndex("ghost", [0, 0])] = location(md, "w", [0, 0])
+
+
+def w2_over_w(md: Any) -> None:
+    """w2's item at w's bytes (the same values): two items on one byte range, each whole and intact."""
+    w, w2 = location(md, "w", [0, 0]), location(md, "w2", [0, 0])
+    w2.offset, w2.crc32c = w.offset, w.crc32c
+
+
+def no_checkpoint_id(md: Any) -> None:
+    md.storage_meta.checkpoint_id = 42
+
+
+def too_few_dirs(path: Path) -> dict[str, Any]:
+    return {"data_dirs": [str(path.parent / "disk0")]}
+
+
+def a_dir_not_there(path: Path) -> dict[str, Any]:
+    return {"data_dirs": [str(path.parent / "disk0"), str(path.parent / "nowhere")]}
+
+
+def relative_dirs_not_found(path: Path) -> dict[str, Any]:
+    edit(path, footer=lambda footer: footer.update(data_dirs=["gone0", "gone1"]))
+    return {}
+
+
+def delete_file(path: Path) -> dict[str, Any]:
+    data_file(path).unlink()
+    return {}
+
+
+def cut_file(path: Path) -> dict[str, Any]:
+    f = data_file(path)
+    os.truncate(f, f.stat().st_size - 4096)
+    return {}
+
+
+def grow_file(path: Path) -> dict[str, Any]:
+    with open(data_file(path), "ab") as f:
+        f.write(bytes(4096))
+    return {}
+
+
+def unused_entry(path: Path) -> dict[str, Any]:
+    (path / "__9_0.0123456789abcdef.distcp").write_bytes(b"")
+    edit(
+        path, footer=lambda footer: footer["files"].update({"__9_0.0123456789abcdef.distcp": {"dir": None, "size": 0}})
+    )
+    return {}
+
+
+def oversized(path: Path) -> dict[str, Any]:
+    grow_file(path)
+    edit(path, footer=lambda footer: only_file(footer)[1].update(size=only_file(footer)[1]["size"] + 4096))
+    return {}
+
+
+def flip_item_byte(path: Path) -> dict[str, Any]:
+    write_at(data_file(path), 3, b"\xff")  # in w, the first item
+    return {}
+
+
+def dirty_padding(path: Path) -> dict[str, Any]:
+    f = data_file(path)
+    write_at(f, f.stat().st_size - 1, b"\x01")  # past the last item, within the size
+    return {}
+
+
+def other_byteorder(footer: dict[str, Any]) -> None:
+    footer["byteorder"] = "big" if sys.byteorder == "little" else "little"
+
+
+CASES = [
+    Case("magic", "another magic", "CorruptCheckpointError", "not fp-dcp metadata", replace_magic),
+    Case(
+        "footer-crc", "a flipped footer byte", "CorruptCheckpointError", "footer fails its checksum", flip_footer_byte
+    ),
+    Case("footer-json", "a key twice", "CorruptCheckpointError", "key 'format' given twice", edits(raw_footer=twice)),
+    Case(
+        "footer-json",
+        "UTF-16",
+        "CorruptCheckpointError",
+        "not a UTF-8 JSON object",
+        edits(raw_footer=lambda footer: json.dumps(footer).encode("utf-16")),
+    ),
+    Case(
+        "footer-json",
+        "NaN",
+        "CorruptCheckpointError",
+        "NaN is not JSON",
+        edits(raw_footer=lambda footer: json.dumps({**footer, "x": float("nan")}).encode()),
+    ),
+    Case(
+        "footer-json",
+        "an array",
+        "CorruptCheckpointError",
+        "list JSON, not an object",
+        edits(raw_footer=lambda footer: json.dumps([footer]).encode()),
+    ),
+    Case(
+        "format", "missing", "CorruptCheckpointError", "footer names format None", on_footer(lambda f: f.pop("format"))
+    ),
+    Case(
+        "format",
+        "another",
+        "CorruptCheckpointError",
+        "format 'fp-dcp2'",
+        on_footer(lambda f: f.update(format="fp-dcp2")),
+    ),
+    Case(
+        "format-version",
+        "0",
+        "CorruptCheckpointError",
+        "format_version 0",
+        on_footer(lambda f: f.update(format_version=0)),
+    ),
+    Case(
+        "format-version",
+        "4",
+        "IncompatibleCheckpointError",
+        "upgrade fp-dcp",
+        on_footer(lambda f: f.update(format_version=4)),
+    ),
+    Case(
+        "footer-keys",
+        "no pickle_length",
+        "CorruptCheckpointError",
+        "has no 'pickle_length'",
+        on_footer(lambda f: f.pop("pickle_length")),
+    ),
+    Case(
+        "footer-keys",
+        "data_dirs a string",
+        "CorruptCheckpointError",
+        "gives data_dirs 'disk0', not an array",
+        on_footer(lambda f: f.update(data_dirs="disk0")),
+    ),
+    Case(
+        "footer-keys",
+        "a data_subdir without data_dirs",
+        "CorruptCheckpointError",
+        "gives data_subdir 'sub' with data_dirs []",
+        on_footer(lambda f: f.update(data_subdir="sub")),
+    ),
+    Case(
+        "footer-keys",
+        "an empty data dir",
+        "CorruptCheckpointError",
+        "lists '' in data_dirs",
+        on_footer(lambda f: f.update(data_dirs=[""], data_subdir="s")),
+    ),
+    Case(
+        "file-entry",
+        "a negative size",
+        "CorruptCheckpointError",
+        "gives size -4096",
+        on_entry(lambda e: e.update(size=-4096)),
+    ),
+    Case(
+        "file-entry",
+        "a size not of pages",
+        "CorruptCheckpointError",
+        "gives size 81921, not a multiple of 4096",
+        on_entry(lambda e: e.update(size=81921)),
+    ),
+    Case(
+        "file-entry",
+        "a dir past data_dirs",
+        "CorruptCheckpointError",
+        "gives dir 0; the footer lists 0 data_dirs",
+        on_entry(lambda e: e.update(dir=0)),
+    ),
+    Case(
+        "file-entry",
+        "an absolute owner",
+        "CorruptCheckpointError",
+        "gives owner '/x', not a relative path",
+        on_entry(lambda e: e.update(owner="/x")),
+    ),
+    Case(
+        "file-entry",
+        "not an object",
+        "CorruptCheckpointError",
+        "is 5, not an object",
+        on_footer(lambda f: f["files"].update({only_file(f)[0]: 5})),
+    ),
+    Case(
+        "file-entry",
+        "a name of two components",
+        "CorruptCheckpointError",
+        "'../x.distcp' is not a file name",
+        on_footer(lambda f: f["files"].update({"../x.distcp": f["files"].pop(only_file(f)[0])})),
+    ),
+    Case(
+        "byteorder",
+        "middle",
+        "CorruptCheckpointError",
+        "byteorder 'middle'",
+        on_footer(lambda f: f.update(byteorder="middle")),
+    ),
+    Case("byteorder", "the other", "IncompatibleCheckpointError", "-endian data", on_footer(other_byteorder)),
+    Case(
+        "pickle-crc", "a flipped pickle byte", "CorruptCheckpointError", "pickle fails its checksum", flip_pickle_byte
+    ),
+    Case(
+        "pickle", "a dict", "CorruptCheckpointError", "metadata pickle holds dict", edits(raw_pickle=pickle.dumps({}))
+    ),
+    Case(
+        "pickle", "a class torch lacks", "IncompatibleCheckpointError", "fp_dcp_no_such_module.Metadata", missing_class
+    ),
+    Case("pickle", "truncated", "CorruptCheckpointError", "does not unpickle", edits(raw_pickle=pickle.dumps({})[:-1])),
+    Case(
+        "entry",
+        "a quantized dtype",
+        "CorruptCheckpointError",
+        "'w' has the quantized dtype torch.qint8",
+        on_metadata(quantized),
+    ),
+    Case(
+        "entry",
+        "a negative size",
+        "CorruptCheckpointError",
+        "'w' has size",
+        on_metadata(lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-8, 4]))),
+    ),
+    Case(
+        "entry",
+        "neither tensor nor object",
+        "CorruptCheckpointError",
+        "'w' is described by str",
+        on_metadata(lambda md: md.state_dict_metadata.update(w="w")),
+    ),
+    Case(
+        "entry",
+        "stock: a string dtype",
+        "CorruptCheckpointError",
+        "'w' has dtype 'float32'",
+        on_stock(lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32")),
+        "stock",
+    ),
+    Case(
+        "location",
+        "a CRC of 33 bits",
+        "CorruptCheckpointError",
+        "a CRC-32C (an int below 2**32",
+        set_attr("w", [0, 0], crc32c=2**32),
+    ),
+    Case(
+        "location",
+        "a negative offset",
+        "CorruptCheckpointError",
+        "non-negative ints",
+        set_attr("w", [0, 0], offset=-64),
+    ),
+    Case(
+        "location",
+        "a length as a string",
+        "CorruptCheckpointError",
+        "non-negative ints",
+        set_attr("w", [0, 0], length="128"),
+    ),
+    Case(
+        "location",
+        "a hash not of hex digits",
+        "CorruptCheckpointError",
+        "not 32 lowercase hex digits",
+        set_attr("w", [0, 0], xxh3_128="xyz"),
+    ),
+    Case(
+        "location",
+        "a file not listed",
+        "CorruptCheckpointError",
+        "the footer's files do not list __7_0",
+        set_attr("w", [0, 0], relative_path="__7_0.0123456789abcdef.distcp"),
+    ),
+    Case(
+        "within-file", "past the size", "CorruptCheckpointError", "past the end of", set_attr("w", [0, 0], offset=81920)
+    ),
+    Case(
+        "chunk-length",
+        "4 bytes short",
+        "CorruptCheckpointError",
+        "124 bytes do not hold [8, 4] elements",
+        set_attr("w", [0, 0], length=124),
+    ),
+    Case(
+        "tiling",
+        "a gap",
+        "CorruptCheckpointError",
+        "'w' of size [10, 4]: element [8, 0] is in no chunk",
+        on_metadata(gap),
+    ),
+    Case(
+        "tiling",
+        "an overlap",
+        "CorruptCheckpointError",
+        "'w' of size [8, 4]: its chunks at [0, 0] and [4, 0] both hold [4:8, 0:4]",
+        on_metadata(overlap),
+    ),
+    Case(
+        "tiling",
+        "a chunk outside",
+        "CorruptCheckpointError",
+        "'w' of size [8, 4]: its chunk at [2, 0] (sizes [8, 4]) reaches outside it: dimension 0 ends at 10, past 8",
+        on_metadata(outside),
+    ),
+    Case(
+        "tiling",
+        "no chunk",
+        "CorruptCheckpointError",
+        "'w' of size [8, 4]: no chunk holds any of its 32 elements",
+        on_metadata(no_chunks),
+    ),
+    Case(
+        "tiling",
+        "stock: a gap",
+        "CorruptCheckpointError",
+        "'w' of size [9, 4]: element [8, 0] is in no chunk",
+        on_stock(stock_gap),
+        "stock",
+    ),
+    Case(
+        "stored",
+        "an object without its item",
+        "CorruptCheckpointError",
+        "object 'o.step' has no stored item",
+        on_metadata(lambda md: md.storage_data.pop(MetadataIndex("o.step"))),
+    ),
+    Case(
+        "stored",
+        "stock: a chunk without its item",
+        "CorruptCheckpointError",
+        "'w': its chunk at [0, 0] has no stored item",
+        on_stock(lambda md: md.storage_data.pop(MetadataIndex("w", [0, 0]))),
+        "stock",
+    ),
+    Case(
+        "described",
+        "an item of no entry",
+        "CorruptCheckpointError",
+        "'ghost' (chunk at [0, 0])",
+        on_metadata(undescribed),
+    ),
+    Case(
+        "checkpoint-id",
+        "an int",
+        "CorruptCheckpointError",
+        "checkpoint_id is 42, not a path",
+        on_metadata(no_checkpoint_id),
+    ),
+    Case("data-dirs-given", "too few", "NotACheckpointError", "pass that many directories", too_few_dirs, "dirs"),
+    Case(
+        "data-dirs-given",
+        "not a directory",
+        "CorruptCheckpointError",
+        "(data_dirs[1]) is missing",
+        a_dir_not_there,
+        "dirs",
+    ),
+    Case(
+        "data-dir-found",
+        "relative, nowhere",
+        "DataDirectoryNotFoundError",
+        "recorded as relative path 'gone",
+        relative_dirs_not_found,
+        "dirs",
+    ),
+    Case("file-present", "deleted", "CorruptCheckpointError", "missing", delete_file),
+    Case("file-size", "cut short", "CorruptCheckpointError", "truncated", cut_file),
+    Case("file-exact", "4096 bytes more", "CorruptCheckpointError", "something appended to it", grow_file),
+    Case(
+        "file-used",
+        "an entry holding nothing",
+        "CorruptCheckpointError",
+        "the footer lists it, but it holds no item",
+        unused_entry,
+    ),
+    Case(
+        "size-rounded",
+        "a page more",
+        "CorruptCheckpointError",
+        "so it was written as 81920",
+        oversized,
+    ),
+    Case(
+        "no-overlap",
+        "two items on the same bytes",
+        "CorruptCheckpointError",
+        "overlaps the item before it",
+        on_metadata(w2_over_w),
+    ),
+    Case("crc32c", "a flipped item byte", "CorruptCheckpointError", "checksum mismatch for 'w'", flip_item_byte),
+    Case(
+        "location",
+        "a CRC of no bytes but 0",
+        "CorruptCheckpointError",
+        "0 for no bytes",
+        set_attr("o.step", None, length=0, crc32c=7),
+    ),
+    Case(
+        "hashes",
+        "another xxh3_128",
+        "CorruptCheckpointError",
+        "hash mismatch for 'w'",
+        set_attr("w", [0, 0], xxh3_128="0" * 32),
+    ),
+    Case(
+        "hashes",
+        "another xxh3_sample",
+        "CorruptCheckpointError",
+        "xxh3_sample stored 00000000",
+        set_attr("big", [0], xxh3_sample="0" * 32),
+    ),
+    Case(
+        "hashes",
+        "a sample of a small item",
+        "CorruptCheckpointError",
+        "xxh3_sample stored for 128 bytes",
+        set_attr("w", [0, 0], xxh3_sample="0" * 32),
+    ),
+    Case("zeros", "a byte of padding", "CorruptCheckpointError", "outside every item are not zero", dirty_padding),
+]
+
+
+def test_every_check_of_the_table_is_broken_by_a_case_raising_each_error_it_names():
+    assert len(TABLE) >= 25
+    assert {case.check for case in CASES} == set(TABLE)
+    for row in TABLE.values():
+        assert row.made_by in ({"open", "verify"}, {"read", "verify"}, {"verify"}), row
+        assert {case.error for case in CASES if case.check == row.check} == row.errors, row
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_a_broken_rule_is_refused_as_the_table_says(case, templates, tmp_path):
+    if case.check == "hashes" and not HASHING:
+        pytest.skip("fp_dcp._cio was built without libxxhash: no hashes to check")
+    shutil.copytree(templates, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / case.template
+    kwargs = case.arrange(path)
+    row = TABLE[case.check]
+    error = getattr(errors, case.error)
+    into = target()
+    if "open" in row.made_by:
+        with pytest.raises(error) as raised:
+            FastPersistReader(path, **kwargs).read_metadata()
+        assert case.words in str(raised.value)
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(into, storage_reader=FastPersistReader(path, **kwargs), no_dist=True)
+        assert case.words in str(failure(e))
+        assert all(torch.equal(into[k], target()[k]) for k in ("w", "w2", "big")) and into["o"] == {"step": -1}
+    elif "read" in row.made_by:
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(into, storage_reader=FastPersistReader(path, **kwargs), no_dist=True)
+        assert isinstance(failure(e), error) and case.words in str(failure(e)), failure(e)
+    else:  # a check of verify's only: the loaded values are right all the same
+        dcp.load(into, storage_reader=FastPersistReader(path, **kwargs), no_dist=True)
+        assert all(torch.equal(into[k], v) for k, v in state().items() if k != "o") and into["o"] == {"step": 3}
+    if error is errors.CorruptCheckpointError:
+        report = verify_checkpoint(path, kwargs.get("data_dirs"))
+        assert not report.ok and any(case.words in problem for problem in report.problems), report.problems
+    else:
+        with pytest.raises(error, match=re.escape(case.words)):
+            verify_checkpoint(path, kwargs.get("data_dirs"))
+
+
+@pytest.fixture
+def recipe(monkeypatch) -> dict[str, Any]:
+    """The functions of docs/format.md's reading recipe."""
+    from test_docs_examples import blocks, stand_in_for_hash_packages
+
+    stand_in_for_hash_packages(monkeypatch)
+    (code,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def read_checkpoint" in b.text]
+    page: dict[str, Any] = {}
+    exec(code.text, page)
+    return page
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.check == "tiling" and c.template == "plain"], ids=lambda c: c.how
+)
+def test_the_pages_recipe_refuses_what_does_not_tile(case, recipe, templates, tmp_path):
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    assert recipe["read_checkpoint"](tmp_path / "plain")["w"].equal(state()["w"])
+    case.arrange(tmp_path / "plain")
+    with pytest.raises(AssertionError, match="the chunks of 'w' do not tile it"):
+        recipe["read_checkpoint"](tmp_path / "plain")
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        {"w": ("o", "step"), "o.step": ("o", "step")},  # two values at one path
+        {"w": ("o",), "o.step": ("o", "step")},  # one value's path runs through another
+        {"w": ("o", 0), "o.step": ("o", "step")},  # a list and a dict at one place
+        {"w": (0,)},  # the root is a dict
+        {"w": ("l", -1)},  # no negative index
+    ],
+    ids=["same-path", "through-a-value", "list-and-dict", "int-at-root", "negative"],
+)
+def test_the_pages_recipe_refuses_conflicting_paths(paths, recipe, templates, tmp_path):
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    edit(tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(paths))
+    with pytest.raises(AssertionError):
+        recipe["read_checkpoint"](tmp_path / "plain")
+
+
+def test_the_pages_recipe_leaves_none_in_the_holes_of_a_list(recipe, templates, tmp_path):
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    edit(
+        tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(w=("l", 2), **{"o.step": ("l", 0, "s")})
+    )
+    state = recipe["read_checkpoint"](tmp_path / "plain")
+    assert state["l"][0] == {"s": 3} and state["l"][1] is None and state["l"][2].equal(torch.arange(32.0).reshape(8, 4))
