@@ -21,6 +21,10 @@ Private names (torch offers no public equivalent):
 - ``dtensor_with_local``: a DTensor rebuilt around a host copy of its local
   shard through ``DTensor(local, spec)``, as torch's state-dict utilities do
   (``DTensor.from_local`` would move the shard back to the mesh's device).
+- ``process_group_store`` (``distributed_c10d._get_process_group_store``):
+  the key-value store a process group was made with (the rendezvous store,
+  under the group's prefix), where ranks agree on a preemption step without
+  a collective (``fp_dcp.training.preemption``).
 
 Protocol details (public API, but behaviour fp-dcp depends on):
 
@@ -62,6 +66,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup, Store, distributed_c10d
 from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -80,6 +85,7 @@ __all__ = [
     "load_state_dict_no_dist",
     "consolidate_safetensors_files",
     "dtensor_with_local",
+    "process_group_store",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
     "STOCK_READER_HINT",
@@ -187,3 +193,10 @@ def load_state_dict_no_dist(state_dict: dict[str, Any], reader: StorageReader, p
 def dtensor_with_local(dtensor: Any, local: torch.Tensor) -> Any:
     """A DTensor of the same placement as ``dtensor`` whose local shard is ``local`` (on any device)."""
     return type(dtensor)(local, dtensor._spec, requires_grad=False)
+
+
+def process_group_store(group: ProcessGroup | None) -> Store:
+    """The store of ``group`` (None: the default group), which every rank of it reaches."""
+    return distributed_c10d._get_process_group_store(
+        group if group is not None else distributed_c10d._get_default_group()
+    )
