@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import tempfile
 import warnings
 from typing import Any
@@ -13,24 +14,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, store: str, fn: Any, args: tuple, out: Any) -> None:
+def _entry(rank: int, world: int, init: str, fn: Any, args: tuple, out: Any) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         out.put((rank, pickle.dumps(fn(rank, world, *args))))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order."""
+def spawn(world: int, fn: Any, *args: Any, tcp: bool = False) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
+
+    The ranks meet through a file, or with ``tcp`` through a TCPStore on
+    127.0.0.1, as ``torchrun`` makes one.
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, out)) for r in range(world)
-        ]
+        init = f"tcp://127.0.0.1:{_free_port()}" if tcp else f"file://{os.path.join(tmp, 'store')}"
+        procs = [ctx.Process(target=_entry, args=(r, world, init, fn, args, out)) for r in range(world)]
         for p in procs:
             p.start()
         results = dict(out.get(timeout=900) for _ in procs)
@@ -39,3 +43,9 @@ def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
             if p.exitcode:
                 raise RuntimeError(f"a rank exited with {p.exitcode}")
     return [pickle.loads(results[r]) for r in range(world)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
