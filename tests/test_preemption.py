@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from conftest import needs_xxhash, same_bytes
 from dist_util import rank_results, run_ranks, spawned_ranks
+from tiers_util import drop_node, local_root, set_node
 
 from fp_dcp import CheckpointManager
 from fp_dcp.tiers import PosixStore
@@ -82,6 +83,8 @@ class Messages(logging.Handler):
 def _train(rank: int, world: int, root: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """A training loop that saves every few steps and stops once preempted; the test signals it from outside."""
     prior = Counter()
+    if knobs.get("nodes"):
+        set_node(rank)  # ranks 0-1 are node "a", 2-3 node "b"
     group = dist.new_group(backend="gloo")  # checkpoints' own group: training's all_reduce runs beside async saves
     mgr = CheckpointManager(root, process_group=group, save_on_preemption=True, **knobs.get("manager", {}))
     report = knobs["report"] if rank == knobs.get("victim") else None
@@ -132,9 +135,10 @@ def _train(rank: int, world: int, root: str, knobs: dict[str, Any]) -> dict[str,
     }
 
 
-def _restore(rank: int, world: int, root: str) -> tuple[int | None, bool]:
+def _restore(rank: int, world: int, root: str, options: dict[str, Any]) -> tuple[int | None, bool]:
+    set_node(rank)
     state = {k: torch.full_like(v, -1) for k, v in state_at(0, rank).items()}
-    with CheckpointManager(root, verify=True) as mgr:
+    with CheckpointManager(root, verify=True, **options) as mgr:
         step = mgr.restore(state)
     want = state_at(step if step is not None else 0, rank)
     return step, all(same_bytes(state[k], want[k]) for k in want)
@@ -151,12 +155,19 @@ def _restore_here(root: Path, world: int) -> tuple[int | None, bool]:
 
 
 def _preempt(
-    tmp_path: Path, world: int, knobs: dict[str, Any], at: int, signals: int = 1, victim: int = 0, fn: Any = None
+    tmp_path: Path,
+    world: int,
+    knobs: dict[str, Any],
+    at: int,
+    signals: int = 1,
+    victim: int = 0,
+    fn: Any = None,
+    root: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``_train`` on ``world`` ranks; once ``victim`` is done with step ``at``, send it ``signals`` SIGTERMs."""
     report = tmp_path / "report"
     knobs = {**knobs, "victim": victim, "report": str(report)}
-    with spawned_ranks(world, fn or _train, str(tmp_path / "run"), knobs) as ranks:
+    with spawned_ranks(world, fn or _train, root or str(tmp_path / "run"), knobs) as ranks:
         _wait_for_step(report, at)
         for _ in range(signals):
             os.kill(ranks.pids[victim], signal.SIGTERM)
@@ -174,15 +185,19 @@ def _one_step_for_all(results: list[dict[str, Any]], victim: int) -> int:
 
 
 def test_a_signal_to_one_of_four_ranks_makes_all_save_the_same_step_which_restores_bit_exact(tmp_path):
+    # 2 nodes of 2 ranks, each node's own root, every rank's files on both nodes and in a durable directory
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     at, victim = rng.randrange(2, 25), rng.randrange(4)
-    knobs = {"manager": {"every_n_steps": 7, "keep_last": 2}}
-    results = _preempt(tmp_path, 4, knobs, at, victim=victim)
+    tiers = {"replicas": 2, "durable": str(tmp_path / "durable")}
+    manager = {"every_n_steps": 7, "keep_last": 2, "preemption_deadline": 600, **tiers}
+    results = _preempt(tmp_path, 4, {"manager": manager, "nodes": True}, at, victim=victim, root=local_root(tmp_path))
     step = _one_step_for_all(results, victim)
     assert step > at, seed  # the next step the loop passes, not one it already passed
     assert all(r["prior"] == (1 if rank == victim else 0) for rank, r in enumerate(results)), seed
-    assert run_ranks(4, _restore, str(tmp_path / "run")) == [(step, True)] * 4, seed
+    assert all(r["durable"] for r in results), seed  # drained whatever durable_every_n_steps says
+    drop_node(tmp_path, "b")  # the step is whole on node "a" (replicas) and in the durable directory
+    assert run_ranks(4, _restore, local_root(tmp_path), tiers) == [(step, True)] * 4, seed
 
 
 @needs_xxhash
