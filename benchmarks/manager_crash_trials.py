@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Crash trials of ``CheckpointManager``: kill -9 a training loop at random moments, then restore.
 
-    python benchmarks/manager_crash_trials.py --trials 100 [--dir DIR] [--mib 8]
+    python benchmarks/manager_crash_trials.py --trials 100 [--dir DIR] [--mib 8] [--preemption]
 
 One run root; each trial starts a child that restores from it (as a job
 resuming after a crash would), then saves step after step (asynchronously,
@@ -21,6 +21,15 @@ Anything else fails the run (exit status 1): ``wrong`` (other bytes),
 ``older`` (a step older than one restored before: a published step was
 lost), ``error`` (the restore raised), ``hang`` (past the deadline). Trials
 alternate between the io_uring and thread engines.
+
+``--preemption``: the child runs with ``save_on_preemption=True`` and is
+sent SIGTERM at the random moment, then SIGKILL a random grace period
+later (uniform up to ``--max-grace`` seconds; the preemption save of a
+few MiB is published 0.1-0.2 s after the signal on this project's
+machines): the kill lands before the preemption save, in the middle of
+it (or of the async save it waits for), or after it. Besides the above,
+a step the child said it saved for the preemption must be the one
+restored (``lost`` otherwise).
 """
 
 from __future__ import annotations
@@ -51,14 +60,21 @@ def state_at(step, rows):
 CHILD = (
     STATE
     + """
-import sys
+import sys, time
 from fp_dcp import CheckpointManager, IOConfig
 root, engine, rows, incremental = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-mgr = CheckpointManager(root, keep_last=2, incremental=incremental, config=IOConfig(engine=engine))
+preemption = sys.argv[5] == "1"
+mgr = CheckpointManager(
+    root, keep_last=2, incremental=incremental, config=IOConfig(engine=engine), save_on_preemption=preemption
+)
 start = (mgr.restore({k: torch.zeros_like(v) for k, v in state_at(0, rows).items()}) or 0) + 1
 print("ready", flush=True)
 for step in range(start, start + 100000):
-    mgr.save(step, state_at(step, rows))
+    if mgr.should_save(step):
+        mgr.save(step, state_at(step, rows))
+    if mgr.preempted:
+        print("preempted", step, flush=True)
+        time.sleep(3600)  # the grace period runs out: SIGKILL comes
 """
 )
 
@@ -80,9 +96,12 @@ print(json.dumps({"step": step, "exact": exact}))
 )
 
 
-def trial(root: str, engine: str, incremental: bool, rows: int, delay: float, deadline: float) -> dict:
+def trial(
+    root: str, engine: str, incremental: bool, rows: int, delay: float, grace: float | None, deadline: float
+) -> dict:
+    """One kill, ``delay`` s after start-up: SIGKILL; with ``grace``, SIGTERM and SIGKILL ``grace`` s later."""
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, root, engine, str(rows), str(int(incremental))],
+        [sys.executable, "-c", CHILD, root, engine, str(rows), str(int(incremental)), str(int(grace is not None))],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -91,8 +110,13 @@ def trial(root: str, engine: str, incremental: bool, rows: int, delay: float, de
         child.kill()
         return {"outcome": "error", "why": "the child did not start (its restore failed?)"}
     time.sleep(delay)
+    if grace is not None:
+        child.send_signal(signal.SIGTERM)
+        time.sleep(grace)
     child.send_signal(signal.SIGKILL)
     child.wait()
+    said = child.stdout.read().split()
+    preempted = int(said[said.index(b"preempted") + 1]) if b"preempted" in said else None
     try:
         check = subprocess.run(
             [sys.executable, "-c", CHECK, root, engine, str(rows)], capture_output=True, text=True, timeout=deadline
@@ -101,7 +125,7 @@ def trial(root: str, engine: str, incremental: bool, rows: int, delay: float, de
         return {"outcome": "hang"}
     if check.returncode != 0:
         return {"outcome": "error", "why": check.stderr.strip().splitlines()[-1:]}
-    return json.loads(check.stdout)
+    return {**json.loads(check.stdout), "preempted": preempted}
 
 
 def main() -> int:
@@ -112,20 +136,27 @@ def main() -> int:
     ap.add_argument("--max-delay", type=float, default=1.0, help="kill within this many seconds of start-up")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds a restore may take before it is a hang")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preemption", action="store_true", help="SIGTERM first, SIGKILL a random grace period later")
+    ap.add_argument("--max-grace", type=float, default=0.3, help="with --preemption: the longest grace period")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     rows = args.mib * 256  # rows of 1024 float32
     outcomes: collections.Counter[str] = collections.Counter()
     newest = None
+    saved_first = 0  # trials whose preemption save was published before the SIGKILL
     with tempfile.TemporaryDirectory(prefix="fp-dcp-manager-trials-", dir=args.dir) as tmp:
         root = os.path.join(tmp, "run")
         for i in range(args.trials):
             engine = ("io_uring", "threads")[i % 2]
             incremental = bool(i // 2 % 2)
-            result = trial(root, engine, incremental, rows, rng.uniform(0.0, args.max_delay), args.deadline)
+            grace = rng.uniform(0.0, args.max_grace) if args.preemption else None
+            result = trial(root, engine, incremental, rows, rng.uniform(0.0, args.max_delay), grace, args.deadline)
             step = result.get("step")
+            saved_first += result.get("preempted") is not None
             if "outcome" in result:
                 outcome = result["outcome"]
+            elif result["preempted"] is not None and step != result["preempted"]:
+                outcome = "lost"
             elif step is None:
                 outcome = "none" if newest is None else "older"
             elif not result["exact"]:
@@ -138,8 +169,11 @@ def main() -> int:
             if outcome not in ("ok", "none"):
                 kind = "incremental" if incremental else "full"
                 print(f"trial {i + 1} ({engine}, {kind}): {outcome} {result}", flush=True)
-    print(f"{args.trials} kills, {args.mib} MiB state: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    what = f"{args.trials} kills, {args.mib} MiB state" + (", SIGTERM first" if args.preemption else "")
+    print(f"{what}: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     print(f"newest step restored: {newest}")
+    if args.preemption:
+        print(f"kills after the preemption save was published: {saved_first} of {args.trials}")
     return 0 if set(outcomes) <= {"ok", "none"} else 1
 
 

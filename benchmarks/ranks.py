@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import socket
 import tempfile
 import time
 import warnings
@@ -17,28 +18,29 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 900  # the longest wait for the next rank's result
 
 
-def _entry(rank: int, world: int, store: str, fn: Any, args: tuple, out: Any) -> None:
+def _entry(rank: int, world: int, init: str, fn: Any, args: tuple, out: Any) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         out.put((rank, pickle.dumps(fn(rank, world, *args))))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn: Any, *args: Any) -> list[Any]:
+def spawn(world: int, fn: Any, *args: Any, tcp: bool = False) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
 
-    A rank that dies ends the others at once (they would wait for it in a
-    collective until gloo's timeout) and raises ``RuntimeError``.
+    The ranks meet through a file, or with ``tcp`` through a TCPStore on
+    127.0.0.1, as ``torchrun`` makes one. A rank that dies ends the others at
+    once (they would wait for it in a collective until gloo's timeout) and
+    raises ``RuntimeError``.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), fn, args, out)) for r in range(world)
-        ]
+        init = f"tcp://127.0.0.1:{_free_port()}" if tcp else f"file://{os.path.join(tmp, 'store')}"
+        procs = [ctx.Process(target=_entry, args=(r, world, init, fn, args, out)) for r in range(world)]
         for p in procs:
             p.start()
         try:
@@ -71,3 +73,9 @@ def _collect(procs: list[Any], out: Any) -> dict[int, bytes]:
         results[rank] = data
         deadline = time.monotonic() + TIMEOUT_S
     return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -48,6 +48,10 @@ Private names (torch offers no public equivalent):
 - ``dtensor_with_local``: a DTensor rebuilt around a host copy of its local
   shard through ``DTensor(local, spec)``, as torch's state-dict utilities do
   (``DTensor.from_local`` would move the shard back to the mesh's device).
+- ``process_group_store`` (``distributed_c10d._get_process_group_store``):
+  the key-value store a process group was made with (the rendezvous store,
+  under the group's prefix), where ranks agree on a preemption step without
+  a collective (``fp_dcp.training.preemption``).
 
 Protocol details (public API, but behaviour fp-dcp depends on):
 
@@ -91,6 +95,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed import ProcessGroup, Store, distributed_c10d
 from torch.distributed.checkpoint import _storage_utils
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -120,6 +125,7 @@ __all__ = [
     "consolidate_safetensors_files",
     "dtensor_with_local",
     "dcp_metadata_version",
+    "process_group_store",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
     "STOCK_READER_HINT",
@@ -301,3 +307,10 @@ def consolidate_safetensors_files(*args: Any, **kwargs: Any) -> None:
 def dcp_metadata_version(metadata: Metadata) -> str | None:
     """The DCP schema version a checkpoint's ``Metadata`` records (None where torch before 2.9 saved it)."""
     return getattr(metadata, "version", None)
+
+
+def process_group_store(group: ProcessGroup | None) -> Store:
+    """The store of ``group`` (None: the default group), which every rank of it reaches."""
+    return distributed_c10d._get_process_group_store(
+        group if group is not None else distributed_c10d._get_default_group()
+    )

@@ -7,13 +7,14 @@ the test after ``timeout`` seconds instead of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,37 +46,64 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tupl
         dist.destroy_process_group()
 
 
-def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[tuple[bool, Any]]:
-    """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, results)) for r in range(world)]
-        for p in procs:
+class SpawnedRanks:
+    """``world`` ranks started on ``fn``: their process ids (for signals), then their outcomes."""
+
+    def __init__(self, world: int, fn: Callable[..., Any], args: tuple, store: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self._results = ctx.Queue()
+        self.procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, self._results)) for r in range(world)]
+        for p in self.procs:
             p.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def outcomes(self, timeout: float) -> list[tuple[bool, Any]]:
+        """Per rank (True, result) or (False, (type, message, trace)); TimeoutError if one is silent ``timeout`` s."""
         got: dict[int, tuple[bool, Any]] = {}
+        while len(got) < self.world:
+            try:
+                rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(got))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout} s (hang?)") from None
+            got[rank] = (ok, pickle.loads(value) if ok else value)
+        for p in self.procs:
+            p.join(timeout=30)
+        return [got[rank] for rank in range(self.world)]
+
+
+@contextlib.contextmanager
+def spawned_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Iterator[SpawnedRanks]:
+    """``fn(rank, world, *args)`` started on ``world`` ranks; any still running when the block ends are killed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"))
         try:
-            while len(got) < world:
-                try:
-                    rank, ok, value = results.get(timeout=timeout)
-                except queue.Empty:
-                    missing = sorted(set(range(world)) - set(got))
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s (hang?)") from None
-                got[rank] = (ok, pickle.loads(value) if ok else value)
-            for p in procs:
-                p.join(timeout=30)
+            yield ranks
         finally:
-            for p in procs:
+            for p in ranks.procs:
                 if p.is_alive():
                     p.kill()
-    return [got[rank] for rank in range(world)]
+
+
+def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[tuple[bool, Any]]:
+    """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
+    with spawned_ranks(world, fn, *args) as ranks:
+        return ranks.outcomes(timeout)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` ranks: their results in rank order; RankError if one failed."""
+    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout))
+
+
+def rank_results(outcomes: list[tuple[bool, Any]]) -> list[Any]:
+    """The results of ``outcomes`` in rank order; RankError for the first rank that failed."""
     out = []
-    for rank, (ok, value) in enumerate(run_ranks_outcomes(world, fn, *args, timeout=timeout)):
+    for rank, (ok, value) in enumerate(outcomes):
         if not ok:
             raise RankError(rank, *value)
         out.append(value)

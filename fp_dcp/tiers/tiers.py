@@ -17,6 +17,7 @@ with the manager itself.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -93,14 +94,18 @@ class Tiers:
             except Exception as e:  # the store may be unreachable now: the next drain retries it
                 log.warning("fp-dcp: cannot clean up %s now: %s", self.store.url, e)
 
-    def published(self, step: int) -> None:
-        """Step ``step`` was just published by the coordinator: copy its metadata to every node, queue its copies."""
+    def published(self, step: int, *, drain: bool = False) -> None:
+        """Step ``step`` was just published by the coordinator: copy its metadata to every node, queue its copies.
+
+        ``drain``: drain this step whatever ``durable_every_n_steps`` says,
+        queued behind a drain still running (a preemption's last step).
+        """
         directory = os.path.join(self.root, step_name(step))
         data = None
         if self.main.rank == 0:
             with open(os.path.join(directory, METADATA_NAME), "rb") as f:
                 data = f.read()
-        due = self._drainer is not None and (self._since_drain is None or self._since_drain + 1 >= self.every)
+        due = self._drainer is not None and (drain or self._since_drain is None or self._since_drain + 1 >= self.every)
         # the coordinator's word: a drain still running makes a due step wait, on every rank alike
         data, busy = self.main.broadcast((data, bool(self._drainer and self._drainer.steps())))
         if self.is_leader:
@@ -112,6 +117,7 @@ class Tiers:
             transport = self.replication
             assert transport is not None
             self._replicator.submit(step, lambda: self._replicate(step, directory, transport))
+        busy = busy and not drain
         self._owed = step if due and busy else None  # drained when the drain is free: at the next step, or wait()
         if due and not busy:
             self._submit_drain(step)
@@ -160,19 +166,22 @@ class Tiers:
         ]
         return max(found, default=None)
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
         """Until the replication and drain of every step published so far have finished (or failed).
 
-        A step whose drain was due while another ran is drained now.
+        A step whose drain was due while another ran is drained now. With
+        ``timeout``, returns after that many seconds at most: whether they
+        all finished.
         """
-        for worker in (self._replicator, self._drainer):
-            if worker is not None:
-                worker.wait()
         if self._owed is not None:
-            self._submit_drain(self._owed)
+            self._submit_drain(self._owed)  # queued behind the drain running: the same on every rank
             self._owed = None
-            assert self._drainer is not None
-            self._drainer.wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(
+            worker.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for worker in (self._replicator, self._drainer)
+            if worker is not None
+        )
 
     def restore(self, state: dict[str, Any], exclude: set[int], verify: bool) -> Fetched | None:
         self.wait()  # the background groups go quiet before restore's transfers start

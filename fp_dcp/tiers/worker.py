@@ -42,10 +42,10 @@ class Worker:
         with self._lock:
             return set(self._steps)
 
-    def wait(self) -> None:
-        """Until every job queued so far has run."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every job queued so far has run, or ``timeout`` seconds passed: whether they all ran."""
         with self._idle:
-            self._idle.wait_for(lambda: not self._steps)
+            return self._idle.wait_for(lambda: not self._steps, timeout)
 
     def close(self) -> None:
         """Run what is queued, then stop the thread."""

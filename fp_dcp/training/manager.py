@@ -23,14 +23,20 @@ Checkpoint tiers (``fp_dcp.tiers``): with a root on each node's own disk
 every rank's files to a peer node in the background, and ``durable=`` drains
 steps to a shared filesystem or an object store. ``restore`` then takes the
 newest step that is whole somewhere, each file from the fastest intact copy.
+
+With ``save_on_preemption=True`` a SIGTERM on any rank makes every rank save
+the next step, and ``preempted`` tells the loop to stop (``.preemption``).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
+import signal
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -52,6 +58,7 @@ from ..save.commit import SaveLock
 from ..save.writer import FastPersistWriter
 from ..tiers import DurableStore, Tiers
 from .overlap import OverlappedCheckpointer
+from .preemption import Preemption, PreemptionSave
 from .retention import Retention, finish_deletions, user_of
 from .steps import StepInfo, inspect_step, list_steps, step_directories, step_directory
 
@@ -131,6 +138,15 @@ class CheckpointManager:
             keeps (at least 1), with every file they reference.
         raise_durable_errors: ``save`` raises the last failed drain's
             ``DurableStorageError`` (once) instead of only warning.
+        save_on_preemption: on one of ``preemption_signals`` on any rank,
+            every rank saves the next step the loop passes to
+            ``should_save`` or ``save`` (whatever ``every_n_steps`` says),
+            synchronously, and ``preempted`` turns True. Make the manager in
+            the main thread; handlers installed before are still called.
+        preemption_signals: the signals that mean preemption (default SIGTERM).
+        preemption_deadline: seconds the preemption save then waits for that
+            step's replication and drain (tiers); past it, a warning says the
+            copy is not done. Default 20: set it to fit the grace period.
 
     ``root`` may contain ``{node}``, replaced by each rank's node name (its
     host name, or ``FP_DCP_NODE``): then each node keeps its steps on its own
@@ -160,6 +176,9 @@ class CheckpointManager:
         durable_every_n_steps: int = 1,
         keep_durable: int = 3,
         raise_durable_errors: bool = False,
+        save_on_preemption: bool = False,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        preemption_deadline: float = 20.0,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (the newest step is always kept), got {keep_last}")
@@ -181,6 +200,7 @@ class CheckpointManager:
         self._saving: int | None = None  # the step of the save in flight
         self._last_step: int | None = None  # the newest step saved or restored: the next save's base
         self._lock: SaveLock | None = None
+        self._preemption: Preemption | None = None
         self.raise_durable_errors = raise_durable_errors
         root = os.fspath(root)
         tiered = replicas > 1 or durable is not None or "{node}" in root
@@ -216,12 +236,21 @@ class CheckpointManager:
             finish_deletions(self.root)
         if self.tiers is not None:
             self.tiers.start()
+        if save_on_preemption:
+            try:
+                name = self._agree(uuid.uuid4().hex)  # the same on every rank: this manager's keys in the store
+                self._preemption = Preemption(preemption_signals, process_group, name, preemption_deadline)
+            except BaseException:
+                self.close()
+                raise
         self._barrier()
 
     # ------------------------------------------------------------------ saving
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due a checkpoint by ``every_n_steps`` / ``every_seconds``."""
+        """Whether ``step`` is due a checkpoint by ``every_n_steps`` / ``every_seconds``, or for a preemption."""
+        if self._preemption is not None and self._preemption.due(step):
+            return True
         if self.every_n_steps is None and self.every_seconds is None:
             return True
         if self.every_n_steps is not None and step % self.every_n_steps == 0:
@@ -235,13 +264,22 @@ class CheckpointManager:
         ``step`` is an int of 0 or more (any integer type, such as numpy's),
         else ``ValueError``. Saving over a step whose files a newer step
         references (in an incremental run) raises ``ValueError``: it would
-        damage that step.
+        damage that step. The preemption step (``save_on_preemption``) is
+        saved synchronously, after the save in flight, and its copies waited
+        for up to ``preemption_deadline``.
         """
         step = _step_number(step)
+        if self._preemption is not None and self._preemption.due(step):
+            write = functools.partial(self._write, step, state, synchronous=True, drain=True)
+            self._preemption.save(step, self.wait, write, self.tiers)
+            return
         self.wait()
         if self.raise_durable_errors and self.tiers is not None and self.tiers.durable_error is not None:
             error, self.tiers.durable_error = self.tiers.durable_error, None  # raised once
             raise error
+        self._write(step, state, synchronous=not self.asynchronous)
+
+    def _write(self, step: int, state: StateDict, *, synchronous: bool, drain: bool = False) -> None:
         user = self._agree(user_of(self.root, step) if self.is_coordinator else None)
         if user is not None:
             raise ValueError(
@@ -251,10 +289,10 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         last = self._last_step
         self.writer.base = step_directory(self.root, last) if self.incremental and last is not None else None
-        if not self.asynchronous:
+        if synchronous:
             path = step_directory(self.root, step)
             dcp.save(state, checkpoint_id=path, storage_writer=self.writer, process_group=self.process_group)
-            self._published_step(step)
+            self._published_step(step, drain=drain)
             return
         self._saving = step
         self._overlap.after_update(step, state)
@@ -268,10 +306,10 @@ class CheckpointManager:
             assert self._saving is not None
             self._published_step(self._saving)
 
-    def _published_step(self, step: int) -> None:
+    def _published_step(self, step: int, drain: bool = False) -> None:
         self._last_step = step
         if self.tiers is not None:
-            self.tiers.published(step)
+            self.tiers.published(step, drain=drain)
         self._prune()
 
     def wait_for_copies(self) -> None:
@@ -282,15 +320,27 @@ class CheckpointManager:
             self._prune()
 
     @property
+    def preempted(self) -> bool:
+        """Whether the preemption step was reached (every rank alike): stop training, ``close()`` and exit."""
+        return self._preemption is not None and self._preemption.step is not None
+
+    @property
+    def preemption(self) -> PreemptionSave | None:
+        """What the preemption save did on this rank: its step, timings and whether it was drained."""
+        return self._preemption.report if self._preemption is not None else None
+
+    @property
     def durable_error(self) -> DurableStorageError | None:
         """Why the last failed drain failed, until a later one succeeds (None: no failure)."""
         return self.tiers.durable_error if self.tiers is not None else None
 
     def close(self) -> None:
-        """Wait for the last save and its copies, prune, and release the writer and the root's lock."""
+        """Wait for the last save and its copies, prune, and release the writer, the root's lock and the signals."""
         try:
             self.wait_for_copies()
         finally:
+            if self._preemption is not None:
+                self._preemption.close()
             if self.tiers is not None:
                 self.tiers.close()
             self.writer.close()
