@@ -11,14 +11,19 @@ would come out wrong or partial fails before a target is touched:
 - every tensor's chunks tile it (``fp_dcp.tiling``);
 - every chunk and object has a stored item in ``storage_data``.
 
-And of fp-dcp's own (given its footer's ``files``), every item location:
-a file the footer lists, an offset and length that are non-negative ints
-and lie within the file's size as written, a CRC-32C of 32 bits (0 for no
-bytes, which no read would check), hashes of 32 lowercase hex digits, and
-for a tensor chunk a length of its elements.
+Of a stock one, every item location: a file name of one path component,
+an offset and a length that are non-negative ints (torch's reader takes
+them as they are). Of fp-dcp's own (given its footer's ``files``), every
+item location: a file the footer lists, an offset and length that are
+non-negative ints and lie within the file's size as written, a CRC-32C of
+32 bits (0 for no bytes, which no read would check), hashes of 32
+lowercase hex digits, and for a tensor chunk a length of its elements.
 
 Left to ``fp-dcp verify`` (they change no loaded value): items that
-overlap, items no entry describes, files that hold no item.
+overlap, items no entry describes, files that hold no item, and
+``nesting_fault``, the paths ``planner_data`` gives (``dcp.load`` into a
+state dict never uses them; ``convert``, which rebuilds the nesting, checks
+them too).
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import CorruptCheckpointError
-from .format import ItemLocation, describe_item
+from .format import ItemLocation, describe_item, is_file_name
 from .tiling import tiling_fault
 
-__all__ = ["check_structure", "QUANTIZED"]
+__all__ = ["check_structure", "nesting_fault", "QUANTIZED"]
 
 # Not in fp-dcp's format: a quantized tensor's value needs its quantizer, which DCP's metadata cannot hold.
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
@@ -68,6 +73,8 @@ def check_structure(metadata: Metadata, where: str, files: dict[str, dict[str, A
             raise CorruptCheckpointError(f"{where}: storage_data has the key {index!r}, not a MetadataIndex")
         if files is not None:
             _check_location(index, location, files, where)
+        else:
+            _check_stock_location(index, location, where)
         located[(index.fqn, tuple(offset) if offset is not None else None)] = location
     for fqn, entry in entries.items():
         if type(fqn) is not str:
@@ -141,3 +148,46 @@ def _check_location(index: MetadataIndex, location: ItemLocation, files: dict[st
         raise CorruptCheckpointError(
             f"{where}: {describe_item(index, location)}: past the end of {file}, written as {entry['size']} bytes"
         )
+
+
+def _check_stock_location(index: MetadataIndex, location: Any, where: str) -> None:
+    """A torch ``FileSystemWriter`` item: a file ``relative_path`` of one path component, an offset and a length."""
+    file, offset, length = (getattr(location, key, None) for key in ("relative_path", "offset", "length"))
+    if (
+        not (type(file) is str and is_file_name(file) and type(offset) is int and type(length) is int)
+        or min(offset, length) < 0
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: {index.fqn!r} is stored at relative_path {file!r}, offset {offset!r}, length {length!r}: "
+            "not a file name (one path component), an offset and a length (non-negative ints)"
+        )
+
+
+def nesting_fault(metadata: Metadata) -> str | None:
+    """Why the paths of ``metadata.planner_data`` do not nest the state dict (docs/format.md), or None if they do.
+
+    A dict ``planner_data`` gives the path of each fqn it has as a key
+    (others are top-level keys); any other ``planner_data`` says nothing of
+    nesting. A path is a non-empty tuple of ``str`` and non-negative ``int``
+    steps, the first a ``str``; no two values at one path, none inside
+    another, and no place both a dict (``str`` steps) and a list (``int``).
+    """
+    paths = metadata.planner_data
+    if not isinstance(paths, dict):
+        return None
+    kinds: dict[tuple[Any, ...], type] = {(): str}  # the kind of step each container takes (the root: a dict)
+    values: dict[tuple[Any, ...], str] = {}
+    for fqn in metadata.state_dict_metadata:
+        path = paths.get(fqn, (fqn,))
+        if type(path) is not tuple or not path or not all(type(s) is str or (type(s) is int and s >= 0) for s in path):
+            return f"planner_data gives {fqn!r} the path {path!r}, not a tuple of str and non-negative int steps"
+        for i, step in enumerate(path):
+            if kinds.setdefault(path[:i], type(step)) is not type(step):
+                return f"planner_data puts {fqn!r} at {list(path)}, which makes {list(path[:i])} a dict and a list"
+        if path in values:
+            return f"planner_data puts {values[path]!r} and {fqn!r} both at {list(path)}"
+        values[path] = fqn
+    inside = sorted(values.keys() & kinds.keys(), key=repr)
+    if inside:
+        return f"planner_data puts {values[inside[0]]!r} at {list(inside[0])}, where other values are nested"
+    return None

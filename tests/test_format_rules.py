@@ -80,9 +80,12 @@ def target() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory) -> Path:
-    """fp-dcp's checkpoint `plain` (incremental, so with hashes), one saved with two data_dirs, a stock one."""
+    """fp-dcp's checkpoint `plain` (incremental, so with hashes), `inc` referencing its tensors, one saved with two
+    data_dirs, a stock one."""
     root = tmp_path_factory.mktemp("templates")
     with FastPersistWriter(root / "plain", incremental=True) as writer:
+        dcp.save(state(), storage_writer=writer, no_dist=True)
+    with FastPersistWriter(root / "inc", incremental=True, base=root / "plain") as writer:
         dcp.save(state(), storage_writer=writer, no_dist=True)
     dirs = [root / "disk0", root / "disk1"]
     dcp.save(state(), storage_writer=FastPersistWriter(root / "dirs", data_dirs=dirs), no_dist=True)
@@ -210,6 +213,45 @@ def replace_magic(path: Path) -> dict[str, Any]:
     data = (path / ".metadata").read_bytes()
     (path / ".metadata").write_bytes(data[:-8] + b"NOTFPDCP")
     return {}
+
+
+def magic_alone(path: Path) -> dict[str, Any]:
+    (path / ".metadata").write_bytes(b"FPDCP\x00\r\n")  # 8 bytes: no room for a trailer
+    return {}
+
+
+def owners_file(path: Path) -> Path:
+    """The data file of `plain` that the checkpoint `inc` at `path` references."""
+    ((name, entry),) = [(n, e) for n, e in json.loads(parts(path)[1])["files"].items() if "owner" in e]
+    assert entry["owner"] == "../plain"
+    return path.parent / "plain" / name
+
+
+def grow_owners_file(path: Path) -> dict[str, Any]:
+    with open(owners_file(path), "ab") as f:
+        f.write(bytes(4096))
+    return {}
+
+
+def chunks_tuple(md: Any) -> None:
+    md.state_dict_metadata["w"].chunks = tuple(md.state_dict_metadata["w"].chunks)
+
+
+def one_dimension(md: Any) -> None:
+    """w's chunk given one offset and one size (w has two dimensions)."""
+    md.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))
+    rekey(md, "w", [0, 0], [0])
+
+
+def stock_set(fqn: str, offsets: list[int] | None, **values: Any) -> Arrange:
+    def change(md: Any) -> None:
+        for key, value in values.items():
+            if value is None:
+                delattr(location(md, fqn, offsets), key)
+            else:
+                setattr(location(md, fqn, offsets), key, value)
+
+    return on_stock(change)
 
 
 def flip_footer_byte(path: Path) -> dict[str, Any]:
@@ -343,6 +385,7 @@ def other_byteorder(footer: dict[str, Any]) -> None:
 
 CASES = [
     Case("magic", "another magic", "CorruptCheckpointError", "not fp-dcp metadata", replace_magic),
+    Case("magic", "the magic alone, 8 bytes", "CorruptCheckpointError", "not fp-dcp metadata", magic_alone),
     Case(
         "footer-crc", "a flipped footer byte", "CorruptCheckpointError", "footer fails its checksum", flip_footer_byte
     ),
@@ -434,6 +477,15 @@ CASES = [
         "gives size 81921, not a multiple of 4096",
         on_entry(lambda e: e.update(size=81921)),
     ),
+    Case("file-entry", "no dir", "CorruptCheckpointError", "has no 'dir'", on_entry(lambda e: e.pop("dir"))),
+    Case("file-entry", "no size", "CorruptCheckpointError", "has no 'size'", on_entry(lambda e: e.pop("size"))),
+    Case(
+        "file-entry",
+        "a data_subdir null",
+        "CorruptCheckpointError",
+        "gives data_subdir None, not a string",
+        on_entry(lambda e: e.update(data_subdir=None)),
+    ),
     Case(
         "file-entry",
         "a dir past data_dirs",
@@ -474,6 +526,20 @@ CASES = [
         "pickle-crc", "a flipped pickle byte", "CorruptCheckpointError", "pickle fails its checksum", flip_pickle_byte
     ),
     Case(
+        "pickle-crc",
+        "a negative pickle_length",
+        "CorruptCheckpointError",
+        "pickle fails its checksum",
+        on_footer(lambda f: f.update(pickle_length=-1)),
+    ),
+    Case(
+        "pickle-crc",
+        "a pickle_crc32c of 33 bits",
+        "CorruptCheckpointError",
+        "pickle fails its checksum",
+        on_footer(lambda f: f.update(pickle_crc32c=f["pickle_crc32c"] + 2**32)),
+    ),
+    Case(
         "pickle", "a dict", "CorruptCheckpointError", "metadata pickle holds dict", edits(raw_pickle=pickle.dumps({}))
     ),
     Case(
@@ -493,6 +559,20 @@ CASES = [
         "CorruptCheckpointError",
         "'w' has size",
         on_metadata(lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-8, 4]))),
+    ),
+    Case(
+        "entry",
+        "chunks a tuple",
+        "CorruptCheckpointError",
+        "'w' has size torch.Size([8, 4]) and chunks (",
+        on_metadata(chunks_tuple),
+    ),
+    Case(
+        "entry",
+        "a chunk without sizes",
+        "CorruptCheckpointError",
+        "'w' has a chunk at None of sizes None",
+        on_metadata(lambda md: md.state_dict_metadata["w"].chunks.__setitem__(0, object())),
     ),
     Case(
         "entry",
@@ -545,6 +625,22 @@ CASES = [
         set_attr("w", [0, 0], relative_path="__7_0.0123456789abcdef.distcp"),
     ),
     Case(
+        "location",
+        "stock: a file of two components",
+        "CorruptCheckpointError",
+        "relative_path '../__0_0.distcp'",
+        stock_set("w", [0, 0], relative_path="../__0_0.distcp"),
+        "stock",
+    ),
+    Case(
+        "location",
+        "stock: no length",
+        "CorruptCheckpointError",
+        "length None: not a file name",
+        stock_set("w", [0, 0], length=None),
+        "stock",
+    ),
+    Case(
         "within-file", "past the size", "CorruptCheckpointError", "past the end of", set_attr("w", [0, 0], offset=81920)
     ),
     Case(
@@ -574,6 +670,13 @@ CASES = [
         "CorruptCheckpointError",
         "'w' of size [8, 4]: its chunk at [2, 0] (sizes [8, 4]) reaches outside it: dimension 0 ends at 10, past 8",
         on_metadata(outside),
+    ),
+    Case(
+        "tiling",
+        "a chunk of one dimension",
+        "CorruptCheckpointError",
+        "'w' of size [8, 4]: its chunk at [0] has 1 offsets and 1 sizes, not 2",
+        on_metadata(one_dimension),
     ),
     Case(
         "tiling",
@@ -613,6 +716,35 @@ CASES = [
         on_metadata(undescribed),
     ),
     Case(
+        "nesting",
+        "two values at one path",
+        "CorruptCheckpointError",
+        "both at ['o', 'step']",
+        on_metadata(lambda md: md.planner_data.update(w=("o", "step"))),
+    ),
+    Case(
+        "nesting",
+        "a value inside another",
+        "CorruptCheckpointError",
+        "planner_data puts 'w' at ['o'], where other values are nested",
+        on_metadata(lambda md: md.planner_data.update(w=("o",))),
+    ),
+    Case(
+        "nesting",
+        "a dict and a list",
+        "CorruptCheckpointError",
+        "which makes ['o'] a dict and a list",
+        on_metadata(lambda md: md.planner_data.update(w=("o", 0))),
+    ),
+    Case(
+        "nesting",
+        "stock: a path not a tuple",
+        "CorruptCheckpointError",
+        "planner_data gives 'w' the path 'w'",
+        on_stock(lambda md: md.planner_data.update(w="w")),
+        "stock",
+    ),
+    Case(
         "checkpoint-id",
         "an int",
         "CorruptCheckpointError",
@@ -639,6 +771,14 @@ CASES = [
     Case("file-present", "deleted", "CorruptCheckpointError", "missing", delete_file),
     Case("file-size", "cut short", "CorruptCheckpointError", "truncated", cut_file),
     Case("file-exact", "4096 bytes more", "CorruptCheckpointError", "something appended to it", grow_file),
+    Case(
+        "file-exact",
+        "an owner's file 4096 bytes more",
+        "CorruptCheckpointError",
+        "something appended to it",
+        grow_owners_file,
+        "inc",
+    ),
     Case(
         "file-used",
         "an entry holding nothing",
@@ -782,3 +922,65 @@ def test_the_pages_recipe_leaves_none_in_the_holes_of_a_list(recipe, templates, 
     )
     state = recipe["read_checkpoint"](tmp_path / "plain")
     assert state["l"][0] == {"s": 3} and state["l"][1] is None and state["l"][2].equal(torch.arange(32.0).reshape(8, 4))
+
+
+def test_a_metadata_that_is_a_directory_or_a_broken_link_is_no_checkpoint(tmp_path):
+    (tmp_path / "a" / ".metadata").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / ".metadata").symlink_to(tmp_path / "nowhere")
+    for path in (tmp_path / "a", tmp_path / "b"):
+        with pytest.raises(errors.NotACheckpointError):
+            FastPersistReader(path).read_metadata()
+        with pytest.raises(errors.NotACheckpointError):
+            verify_checkpoint(path)
+
+
+def version_2(footer: dict[str, Any]) -> None:
+    assert footer["format_version"] == 3
+    footer["format_version"] = 2
+
+
+@pytest.mark.parametrize(
+    "template, change",
+    [
+        ("plain", lambda footer: footer.update(save_id=5, engine=["any", 1])),
+        ("plain", lambda footer: (footer.pop("save_id"), footer.pop("engine", None))),
+        ("inc", version_2),  # an owner in a version-2 footer is followed all the same
+    ],
+    ids=["save_id-and-engine-of-any-type", "no-save_id", "owner-in-version-2"],
+)
+def test_what_no_rule_covers_reads_as_written(template, change, templates, tmp_path):
+    shutil.copytree(templates, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / template
+    edit(path, footer=change)
+    into = target()
+    dcp.load(into, storage_reader=FastPersistReader(path), no_dist=True)
+    assert all(torch.equal(into[k], v) for k, v in state().items() if k != "o") and into["o"] == {"step": 3}
+    report = verify_checkpoint(path)
+    assert report.ok, report.problems
+
+
+def test_a_one_byte_float4_pair_is_stored_as_its_byte(tmp_path):
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    packed = torch.arange(256, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    dcp.save({"f4": packed}, storage_writer=FastPersistWriter(tmp_path), no_dist=True)
+    (loc,) = pickle.loads((tmp_path / ".metadata").read_bytes()).storage_data.values()
+    with open(data_file(tmp_path), "rb") as f:
+        f.seek(loc.offset)
+        assert f.read(loc.length) == bytes(range(256))
+    into = {"f4": torch.zeros(256, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+    dcp.load(into, storage_reader=FastPersistReader(tmp_path), no_dist=True)
+    assert into["f4"].view(torch.uint8).equal(packed.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.check == "nesting"], ids=lambda c: c.how)
+def test_convert_refuses_paths_that_conflict(case, templates, tmp_path):
+    from fp_dcp.tools.convert import read_state_dict
+
+    shutil.copytree(templates, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / case.template
+    assert read_state_dict(path)["w"].equal(state()["w"])
+    case.arrange(path)
+    with pytest.raises(errors.CorruptCheckpointError, match=re.escape(case.words)):
+        read_state_dict(path)

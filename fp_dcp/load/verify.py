@@ -7,7 +7,9 @@ A load checks what it reads; this checks everything, once, front to back
   (``fp_dcp.checkpoint.open_checkpoint``: trailer, footer and pickle
   checksums, the footer's keys and ranges, item locations, the tiling of
   every tensor's chunks); then that every stored item is one the metadata
-  describes;
+  describes, and that ``planner_data`` nests it without conflicts
+  (``fp_dcp.structure.nesting_fault``: a load into a state dict never
+  uses it, but a rebuild of the nested state dict does);
 - every data file the footer lists: present, exactly the size it was
   written with, holding at least one item, and (a file of this save) of
   the size its last item's end rounds up to;
@@ -57,6 +59,7 @@ from ..io.engine import Engine, IOResources
 from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile, open_file
 from ..io.progress import Progress, ProgressCallback
+from ..structure import nesting_fault
 from ..units import PAGE, MiB, align_up
 from .catalog import FastPersistCatalog
 from .hashes import ItemHashes
@@ -148,7 +151,7 @@ def verify_checkpoint(
     if checkpoint.kind == "dcp":
         return _verify_stock(checkpoint)
     catalog = FastPersistCatalog(checkpoint)
-    problems = _undescribed(checkpoint.metadata, catalog)
+    problems = _undescribed(checkpoint.metadata, catalog) + _nesting(checkpoint.metadata)
     by_file = items_by_file(checkpoint)
     problems += _file_problems(checkpoint, by_file)
     absent, partial = _absent_from_node(checkpoint)
@@ -190,6 +193,11 @@ def _undescribed(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
         for index, loc in catalog.locations.items()
         if not described(index)
     ]
+
+
+def _nesting(metadata: Metadata) -> list[str]:
+    fault = nesting_fault(metadata)
+    return [f"{METADATA_NAME}: {fault}"] if fault is not None else []
 
 
 def _file_problems(checkpoint: Checkpoint, by_file: dict[str, list[_Item]]) -> list[str]:
@@ -451,7 +459,7 @@ def scan_ranges(
 def _verify_stock(checkpoint: Checkpoint) -> VerifyReport:
     """A torch FileSystemWriter checkpoint: its files are there and long enough (it stores no checksums)."""
     directory, metadata = checkpoint.path, checkpoint.metadata
-    problems = []
+    problems = _nesting(metadata)
     by_file: dict[str, list[tuple[MetadataIndex, int]]] = defaultdict(list)
     for index, info in metadata.storage_data.items():
         by_file[info.relative_path].append((index, info.offset + info.length))

@@ -88,6 +88,7 @@ from ..format import METADATA_NAME
 from ..io.files import fsync_directory, replace_durably
 from ..io.progress import Progress, ProgressCallback
 from ..safetensors_format import INDEX_NAME, SUFFIX, parse_index
+from ..structure import nesting_fault
 
 __all__ = [
     "FORMATS",
@@ -188,7 +189,9 @@ def read_state_dict(
     with FastPersistReader(path, data_dirs=data_dirs) as reader, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         # Once outside DCP, which would bury an error here (missing data_dirs, say) in one of its own.
-        reader.read_metadata()
+        fault = nesting_fault(reader.read_metadata())
+        if fault is not None:  # DCP's planner would overwrite one value with another, or fail halfway
+            raise CorruptCheckpointError(f"{path}: {fault}")
         with _own_errors():
             compat.load_state_dict_no_dist(state, reader, planner)
     if planner.progress is not None:
