@@ -85,7 +85,7 @@ STEPS = {
     "metadata": ".metadata encoded, written under a temporary name, fsynced",
     "rename": "temporary name renamed over .metadata",
     "fsync-dir-after": "directory fsynced after the rename",
-    "cleanup": "replaced checkpoint's files removed",
+    "cleanup": "replaced checkpoint's files removed (on a thread of their own, awaited by the writer's close)",
 }
 DONE = "done"  # the save returned before the kill
 ORDER = [*STEPS, DONE]
@@ -195,7 +195,7 @@ class _Steps:
         before(files, "fsync_directory", lambda: "fsync-dir-after" if self.reached >= renamed else "fsync-dir")
         before(writer.FastPersistWriter, "finish", lambda: "metadata")
         before(os, "replace", lambda: "rename")
-        before(commit, "remove_unreferenced", lambda: "cleanup")
+        before(commit.Cleanup, "start", lambda: "cleanup")
 
 
 def _quiet() -> None:
@@ -213,7 +213,8 @@ def _save_child(
     steps = _Steps(conn, stop_at)
     steps.install()
     steps.enter("plan")
-    dcp.save(state, storage_writer=FastPersistWriter(directory, config=IOConfig(engine=engine_name)))
+    with FastPersistWriter(directory, config=IOConfig(engine=engine_name)) as storage:
+        dcp.save(state, storage_writer=storage)
     steps.enter(DONE)
 
 

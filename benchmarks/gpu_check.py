@@ -12,7 +12,8 @@ that fails is reported in the table without stopping the others:
   the D2H peak;
 - ``shm8``: one rank saving a ``--shm-gib`` GPU state with ``data_dirs`` set to 8
   directories on tmpfs, against ``fio --numjobs=8`` writing as many bytes into
-  the same directories: the ceiling of one rank's pipeline;
+  the same directories, and the same save into the null engine (writes
+  complete at once, nothing stored): the ceiling of one rank's pipeline;
 - ``disk``: save GB/s from the GPU state to ``--dir``, fp-dcp against
   ``FileSystemWriter(thread_count=1)``, interleaved, median of the repeats;
 - ``disk``: cold load of that checkpoint into CUDA tensors, fp-dcp against
@@ -176,10 +177,22 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
                 if fio:
                     fio_rates.append(size / fio_write(fio, dirs, size) / GB)
             how = writer.last_save.staging if writer.last_save else "?"
+        # the pipeline with no device in the way: the null engine completes every write at once and stores nothing
+        null_rates = []
+        with FastPersistWriter(os.path.join(root, "null"), data_dirs=dirs, config=IOConfig(engine="null")) as writer:
+            for _ in range(3):  # the first warms the pool and page-locking
+                null_rates.append(size / timed(device, lambda: dcp.save(state, storage_writer=writer)) / GB)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fp, ref = max(fp_rates), max(fio_rates) if fio_rates else None
-    return {"bytes": size, "fp_dcp_gbps": fp, "fio_gbps": ref, "over_fio": fp / ref if ref else None, "staging": how}
+    return {
+        "bytes": size,
+        "fp_dcp_gbps": fp,
+        "fio_gbps": ref,
+        "over_fio": fp / ref if ref else None,
+        "null_gbps": max(null_rates[1:]),
+        "staging": how,
+    }
 
 
 def fio_write(fio: str, dirs: list[str], size: int) -> float:
@@ -426,6 +439,7 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{s['fp_dcp_gbps']:.2f} / {ref} GB/s",
             )
         )
+        rows.append(("the same save into the null sink (stores nothing)", f"{s['null_gbps']:.2f} GB/s"))
     if "disk" in r:
         s = r["disk"]
         rows.append(

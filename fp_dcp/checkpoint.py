@@ -69,6 +69,7 @@ from .format import (
     decode_footer,
     decode_metadata,
     footer_span,
+    is_file_name,
     is_fp_metadata,
 )
 from .safetensors_format import INDEX_NAME, SUFFIX
@@ -358,7 +359,8 @@ def published_files(directory: str) -> set[str]:
     """Names of the data files the checkpoint now published in ``directory`` lists; empty if none is readable.
 
     The commit protocol removes these once a new checkpoint replaces it; a
-    damaged ``.metadata`` lists nothing, so nothing is removed on its word.
+    damaged ``.metadata`` lists nothing, so nothing is removed on its word,
+    and neither is a stock item's path that leads out of ``directory``.
     """
     try:
         _, data = read_metadata_bytes(directory)
@@ -366,7 +368,10 @@ def published_files(directory: str) -> set[str]:
         return set()
     if not is_fp_metadata(data):
         stock = _stock_metadata(data)
-        return {info.relative_path for info in stock.storage_data.values()} if stock is not None else set()
+        if stock is None:
+            return set()
+        names = {getattr(info, "relative_path", None) for info in stock.storage_data.values()}
+        return {name for name in names if isinstance(name, str) and is_file_name(name)}
     try:
         _, footer = decode_metadata(data, directory)
     except (CorruptCheckpointError, IncompatibleCheckpointError):

@@ -173,6 +173,15 @@ class ModelCrc(DeviceCrc):
         return torch.from_numpy(crcs.view(np.int32))
 
 
+class HostCrc(ModelCrc):
+    """The CRC kernel's launch answered by the host's CRC-32C: for tests that measure host memory, which the
+    numpy model's temporaries (the size of its rows) would swell."""
+
+    def __call__(self, side: SideStream, rows: list[torch.Tensor], keep: list) -> torch.Tensor:
+        crcs = np.array([_cio.crc32c(row.numpy()) for row in rows], dtype=np.uint32)
+        return torch.from_numpy(crcs.view(np.int32))
+
+
 class CpuAsDevice(Staging):
     """Every tensor as device memory, every landing area page-locked: the GPU code path, run on the CPU."""
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, failure, same_bytes, save
-from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble
+from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc
 from dist_util import run_ranks
 
 import fp_dcp.io.buffers
@@ -78,8 +78,10 @@ def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
     assert isinstance(failure(info), CorruptCheckpointError) and "checksum mismatch" in str(failure(info))
 
 
-def test_gpu_load_host_memory_is_bounded_by_the_pool(tmp_path, gpu):
+def test_gpu_load_host_memory_is_bounded_by_the_pool(tmp_path, gpu, monkeypatch):
     from fp_dcp.tools.workload import PeakRSS
+
+    monkeypatch.setattr(CpuTargetsAsDevice, "crc_kernel", HostCrc)  # (the CPU route's CRC model holds temporaries)
 
     n = 64 << 20 if gpu.device.type == "cuda" else 16 << 20  # 1 GiB on a GPU, 256 MiB on the CPU route
     state = {f"w{i}": torch.randn(n) for i in range(4)}

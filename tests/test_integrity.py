@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 
 import pytest
@@ -231,3 +232,19 @@ def test_a_crash_before_the_replaced_files_are_removed_leaves_garbage_the_next_s
     save(state_of(3.0), ckpt).close()
     assert len(data_files(ckpt)) == 1 and first not in data_files(ckpt)
     assert_loads(ckpt, 3.0)
+
+
+def test_replacing_a_stock_checkpoint_removes_only_its_own_files(tmp_path):
+    """A stock .metadata whose item names a path outside its directory: the save over it leaves that file alone."""
+    ckpt, victim = tmp_path / "ckpt", tmp_path / "victim"
+    dcp.save(state_of(1.0), storage_writer=dcp.FileSystemWriter(str(ckpt)), no_dist=True)
+    victim.write_bytes(b"not the checkpoint's")
+    with open(ckpt / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../victim"
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    save(state_of(2.0), str(ckpt)).close()
+    assert victim.read_bytes() == b"not the checkpoint's"
+    assert_loads(str(ckpt), 2.0)

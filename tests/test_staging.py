@@ -525,8 +525,12 @@ def test_gpu_async_save_captures_the_values_of_its_step(tmp_path, gpu, mode):
 
 
 @pytest.mark.gpu
-def test_gpu_streaming_host_memory_is_bounded_by_the_pool(tmp_path, gpu):
+def test_gpu_streaming_host_memory_is_bounded_by_the_pool(tmp_path, gpu, monkeypatch):
+    from cuda_double import CpuAsDevice, HostCrc
+
     from fp_dcp.tools.workload import PeakRSS
+
+    monkeypatch.setattr(CpuAsDevice, "crc_kernel", HostCrc)  # (the CPU route's CRC model holds temporaries)
 
     n = 64 << 20 if gpu.device.type == "cuda" else 16 << 20  # 1 GiB on a GPU, 256 MiB on the CPU route
     state = {f"w{i}": torch.randn(n, device=gpu.device) for i in range(4)}

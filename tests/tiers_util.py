@@ -143,6 +143,9 @@ def seaweedfs(bucket: str = "fp-dcp") -> Iterator[dict[str, str]]:
         "-ip.bind=127.0.0.1",
         "-master.volumeSizeLimitMB=64",
         *(f"-{name}.port={port}" for name, port in ports.items()),
+        # services with fixed default ports we do not use: two servers on one machine would collide on them
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
     ]
     log = open(os.path.join(data, "weed.log"), "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

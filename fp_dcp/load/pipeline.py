@@ -355,8 +355,8 @@ def read_items(
                 _advance(owner, part.length)
                 continue
             assert uploads is not None
-            checksum = owner if owner.verify else None  # on the device where it can, else on the host
-            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length], checksum)
+            checked = owner if owner.verify else None  # on the device where it can, else on the host
+            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length], checked)
             on_device.append(part)
         if on_device:
             assert uploads is not None
