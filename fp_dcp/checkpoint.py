@@ -46,10 +46,12 @@ the entry's own ``data_subdir``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pickle
+import stat
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -131,16 +133,33 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
     """The path and bytes of a checkpoint directory's ``.metadata``; NotACheckpointError if there is none."""
     if not os.path.isdir(directory):
         raise NotACheckpointError(f"{directory} is not a directory, so not a checkpoint")
+    with _open_metadata(directory) as f:
+        return os.path.join(directory, METADATA_NAME), f.read()
+
+
+def _open_metadata(directory: str) -> BinaryIO:
+    """``directory``'s ``.metadata``, open for reading; NotACheckpointError unless it is a regular file.
+
+    Opened without blocking, so that a FIFO there does not wait for a writer (or a device stream forever).
+    """
     path = os.path.join(directory, METADATA_NAME)
     try:
-        with open(path, "rb") as f:
-            return path, f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NotACheckpointError(
             f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
         ) from None
-    except IsADirectoryError:
-        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is a directory") from None
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: a socket
+            raise
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is a socket") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is {kind}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _stock_metadata(data: bytes) -> Metadata | None:
@@ -153,7 +172,7 @@ def _stock_metadata(data: bytes) -> Metadata | None:
         metadata = pickle.loads(data)
     except Exception:  # any unpickling failure means: not a stock checkpoint's metadata
         return None
-    if not isinstance(metadata, Metadata):
+    if not isinstance(metadata, Metadata) or type(metadata.storage_data) is not dict:  # None: its __dict__ lacks it
         return None
     entries = metadata.storage_data.values()
     if all(hasattr(v, "relative_path") and not is_item_location(v) for v in entries):
@@ -210,19 +229,16 @@ def referenced_files(directory: str) -> dict[str, str]:
     when it is neither an intact fp-dcp footer nor a stock checkpoint.
     """
     where = os.path.join(directory, METADATA_NAME)
-    try:
-        with open(where, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TRAILER_SIZE))
-            trailer = f.read()
-            if is_fp_metadata(trailer):
-                f.seek(max(0, size - footer_span(trailer)))
-                return _owners(directory, decode_footer(f.read(), where))
-            f.seek(0)
-            if _stock_metadata(f.read()) is not None:
-                return {}
-    except FileNotFoundError:
-        raise NotACheckpointError(f"{directory} holds no checkpoint: {METADATA_NAME} is missing") from None
+    with _open_metadata(directory) as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - TRAILER_SIZE))
+        trailer = f.read()
+        if is_fp_metadata(trailer):
+            f.seek(max(0, size - footer_span(trailer)))
+            return _owners(directory, decode_footer(f.read(), where))
+        f.seek(0)
+        if _stock_metadata(f.read()) is not None:
+            return {}
     raise CorruptCheckpointError(f"{where}: not fp-dcp metadata (trailer missing or damaged)")
 
 

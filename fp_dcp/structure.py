@@ -59,7 +59,8 @@ def check_structure(metadata: Metadata, where: str, files: dict[str, dict[str, A
     ``files``: the footer's ``files`` of an fp-dcp checkpoint, whose
     ``storage_data`` values are ``ItemLocation``s; None for a stock one.
     """
-    entries, stored = metadata.state_dict_metadata, metadata.storage_data
+    # a field the pickled __dict__ lacks reads as the dataclass's default (None), or, without one, is not there
+    entries, stored = getattr(metadata, "state_dict_metadata", None), metadata.storage_data
     if type(entries) is not dict or type(stored) is not dict:
         raise CorruptCheckpointError(f"{where}: state_dict_metadata and storage_data are not both dicts")
     located: dict[tuple[str, tuple[int, ...] | None], Any] = {}

@@ -15,8 +15,10 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -984,3 +986,84 @@ def test_convert_refuses_paths_that_conflict(case, templates, tmp_path):
     case.arrange(path)
     with pytest.raises(errors.CorruptCheckpointError, match=re.escape(case.words)):
         read_state_dict(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device"])
+def test_a_metadata_that_is_no_regular_file_is_no_checkpoint(kind, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a socket's path must be short
+    os.mkdir("c")
+    if kind == "fifo":
+        os.mkfifo("c/.metadata")
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind("c/.metadata")
+    else:
+        os.symlink(os.devnull, "c/.metadata")
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            FastPersistReader("c").read_metadata()
+        except BaseException as e:
+            raised.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)  # a FIFO opened for reading waits for a writer
+    if reader.is_alive():
+        fd = os.open("c/.metadata", os.O_WRONLY | os.O_NONBLOCK)  # let it go
+        os.close(fd)
+    assert len(raised) == 1 and isinstance(raised[0], errors.NotACheckpointError), raised
+    with pytest.raises(errors.NotACheckpointError):
+        verify_checkpoint("c")
+
+
+def test_a_data_file_that_is_a_directory_is_damage(templates, tmp_path):
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    name = data_file(tmp_path / "plain")
+    name.unlink()
+    name.mkdir()
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target(), storage_reader=FastPersistReader(tmp_path / "plain"), no_dist=True)
+    assert isinstance(failure(e), errors.CorruptCheckpointError) and "not a regular file" in str(failure(e))
+    report = verify_checkpoint(tmp_path / "plain")
+    assert any("not a regular file" in problem for problem in report.problems), report.problems
+
+
+@pytest.mark.parametrize("field", ["state_dict_metadata", "storage_data"])
+@pytest.mark.parametrize("template", ["plain", "stock"])
+def test_a_metadata_without_a_field_is_damage(field, template, templates, tmp_path):
+    shutil.copytree(templates / template, tmp_path / template)
+    path = tmp_path / template
+    if template == "stock":
+        edit_stock(path, lambda md: delattr(md, field))
+    else:
+        edit(path, metadata=lambda md, footer: delattr(md, field))
+    with pytest.raises(errors.CorruptCheckpointError):
+        FastPersistReader(path).read_metadata()
+    assert not verify_checkpoint(path).ok
+
+
+@pytest.mark.parametrize("owner", ["../step-1", "../plain", "../../x/step-1", "..", "../.."])
+def test_a_tier_takes_only_an_owner_that_is_a_step_of_its_root(owner, templates, tmp_path):
+    from fp_dcp.tiers.layout import StepLayout, files_in_metadata
+
+    shutil.copytree(templates / "plain", tmp_path / "root" / "step-1")
+    shutil.copytree(templates / "inc", tmp_path / "root" / "step-2")
+    step = tmp_path / "root" / "step-2"
+
+    def change(footer: dict[str, Any]) -> None:
+        for entry in footer["files"].values():
+            if "owner" in entry:
+                entry["owner"] = owner
+
+    edit(step, footer=change)
+    data = (step / ".metadata").read_bytes()
+    if owner == "../step-1":
+        assert any(key.startswith("step-1/") for key in files_in_metadata("step-2", data))
+        assert any(key.startswith("step-1/") for key in StepLayout.open(str(step)).files())
+        return
+    with pytest.raises(errors.CorruptCheckpointError, match="not a step of the same root"):
+        files_in_metadata("step-2", data)
+    with pytest.raises(errors.CorruptCheckpointError, match="not a step of the same root"):
+        StepLayout.open(str(step))

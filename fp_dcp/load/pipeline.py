@@ -21,6 +21,7 @@ import io
 import itertools
 import math
 import os
+import stat
 from collections import defaultdict, deque
 from collections.abc import Iterator
 
@@ -275,7 +276,10 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
             files[name] = f
-            sizes[name] = os.fstat(f.fd).st_size
+            status = os.fstat(f.fd)
+            if not stat.S_ISREG(status.st_mode):  # a directory where the rules find the file
+                raise CorruptCheckpointError(f"data file {path} is not a regular file; it holds {item.describe()}")
+            sizes[name] = status.st_size
             expected = catalog.file_sizes.get(name)
             if expected is not None and sizes[name] < expected:
                 raise CorruptCheckpointError(

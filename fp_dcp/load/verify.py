@@ -41,6 +41,7 @@ Hugging Face safetensors files is checked by ``fp_dcp.load.safetensors_verify``.
 from __future__ import annotations
 
 import os
+import stat
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -347,7 +348,11 @@ def _verify_file(
         problems.append(f"data file {path} cannot be opened ({e.strerror}); {_holds(items)}")
         return 0
     try:
-        size = os.fstat(f.fd).st_size
+        status = os.fstat(f.fd)
+        if not stat.S_ISREG(status.st_mode):  # a directory where the rules find the file
+            problems.append(f"data file {path} is not a regular file; {_holds(items)}")
+            return 0
+        size = status.st_size
         if size < expected:
             problems.append(f"data file {path} is truncated: {size} bytes, written as {expected}")
         elif size > expected:

@@ -19,6 +19,7 @@ import secrets
 from typing import Any
 
 from ..checkpoint import Checkpoint, open_checkpoint
+from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, NODE_MARKER, RETIRED_NAME, decode_footer, parse_data_file_name
 from ..io.files import write_durably
 from ..load.verify import StreamCheck, items_by_file
@@ -30,6 +31,7 @@ __all__ = [
     "parse_step_name",
     "publish_metadata",
     "files_in_metadata",
+    "owner_step",
     "mark_referenced",
     "mark_node",
     "NODE_MARKER",
@@ -79,14 +81,29 @@ def list_tier(root: str) -> dict[str, dict[str, int]]:
 def files_in_metadata(step: str, data: bytes) -> dict[str, int]:
     """{key: size} of every data file the ``.metadata`` bytes of step directory ``step`` list (the footer alone).
 
-    CorruptCheckpointError if the footer is damaged.
+    CorruptCheckpointError if the footer is damaged, or an owner is no step of the root (``owner_step``).
     """
-    footer = decode_footer(data, f"{step}/{METADATA_NAME}")
+    where = f"{step}/{METADATA_NAME}"
+    footer = decode_footer(data, where)
     files = {}
     for name, entry in footer["files"].items():
-        owner = os.path.basename(os.path.normpath(os.path.join(step, entry.get("owner", "."))))
-        files[f"{owner}/{name}"] = int(entry["size"])
+        files[f"{owner_step(step, entry.get('owner', '.'), where)}/{name}"] = int(entry["size"])
     return files
+
+
+def owner_step(step: str, owner: str, where: str) -> str:
+    """The step directory, in the tier root of step directory ``step``, of a file whose entry gives ``owner``.
+
+    A key names a file under a tier root, so the owner must be a step of the
+    same root: ``normpath(join(step, owner))`` a step name (``.``,
+    ``../step-K``). Any other is no tier's: CorruptCheckpointError.
+    """
+    found = os.path.normpath(os.path.join(step, owner))
+    if parse_step_name(found) is None:
+        raise CorruptCheckpointError(
+            f"{where}: a file's owner {owner!r} is not a step of the same root ('../step-K'): no tier holds it"
+        )
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +114,13 @@ class StepLayout:
 
     @classmethod
     def open(cls, directory: str) -> StepLayout:
-        return cls(open_checkpoint(directory))
+        """The layout of the step in ``directory``; CorruptCheckpointError if an owner is no step of its root."""
+        checkpoint = open_checkpoint(directory)
+        step = os.path.basename(os.path.normpath(directory))
+        for name, entry in (checkpoint.footer or {}).get("files", {}).items():
+            if "owner" in entry:
+                owner_step(step, entry["owner"], f"{directory}: {METADATA_NAME}'s entry for {name}")
+        return cls(checkpoint)
 
     def key(self, name: str) -> str:
         owner = self.checkpoint.owners.get(name, self.checkpoint.path)

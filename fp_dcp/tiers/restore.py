@@ -163,6 +163,7 @@ def _metadata(
                 with open(os.path.join(root, key), "rb") as f:
                     data = f.read()
             decode_checked(data, f"{source}:{key}")  # every check of opening it: checksums, tiling, locations
+            files_in_metadata(step_name(step), data)  # and every owner a step of this root (its files have keys)
         except (CheckpointError, OSError) as e:
             log.warning("fp-dcp: the %s of step %d on %s cannot be used: %s", METADATA_NAME, step, source, e)
             data = None
