@@ -133,6 +133,7 @@ __all__ = [
     "item_fields",
     "is_item_location",
     "stock_plan_data",
+    "plan_rank",
     "set_default_storage",
     "check_filesystem_writer_options",
 ]
@@ -246,6 +247,13 @@ def item_fields(value: Any) -> tuple[str, int, int, int, str | None, str | None]
 def stock_plan_data(rank: int) -> Any:
     """The ``SavePlan.storage_data`` ``FileSystemWriter.prepare_global_plan`` gives rank ``rank``'s plan."""
     return _StoragePrefix(f"__{rank}_")
+
+
+def plan_rank(storage_data: Any) -> int:
+    """The rank ``stock_plan_data`` gave a plan: the writer's rank where DCP does not pass it to
+    ``set_up_storage_writer`` (torch 2.7 calls it with ``is_coordinator`` alone)."""
+    prefix = getattr(storage_data, "prefix", "__0_")
+    return int(prefix[2:-1])
 
 
 def default_storage() -> tuple[type, type]:

@@ -206,6 +206,8 @@ def _process_saves(rank: int, world: int, root: str) -> list:
         back = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(back, checkpoint_id=os.path.join(root, f"step-{step}"), storage_reader=FastPersistReader())
         results.append(all(torch.equal(back[k], sd[k]) for k in sd))
+    if compat.TORCH < (2, 9):  # torch 2.7's checkpoint process ends at a failed save (its serving loop re-raises)
+        return results
     # A failure in the checkpoint process (the directory holds a checkpoint and overwrite=False)
     # reaches this process's future.
     future = dcp.async_save(
@@ -233,8 +235,9 @@ def _process_saves(rank: int, world: int, root: str) -> list:
 def test_process_executor_saves_in_a_row_and_reports_a_failure(tmp_path):
     for ranks in run_ranks(2, _process_saves, str(tmp_path), timeout=300):
         assert ranks[:3] == [True, True, True]
-        assert "Checkpoint already exists" in ranks[3] and "overwrite=False" in ranks[3]
-        assert ranks[4] is True
+        if compat.TORCH >= (2, 9):
+            assert "Checkpoint already exists" in ranks[3] and "overwrite=False" in ranks[3]
+            assert ranks[4] is True
 
 
 def _process_with_writer_as_stager(rank: int, world: int, root: str) -> list[str]:

@@ -88,6 +88,7 @@ class Block:
     info: str
     text: str
     adjacent: bool  # only blank lines separate it from the block before
+    needs: str = ""  # "torch>=2.9" after the info string: a block that runs only on that torch or newer
 
     @property
     def where(self) -> str:
@@ -109,7 +110,8 @@ def blocks(doc: Path) -> list[Block]:
         i += 1
         while i < len(lines) and lines[i].strip() != fence:
             i += 1
-        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n", adjacent=not prose))
+        info, _, needs = info.partition(" ")
+        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n", not prose, needs.strip()))
         prose = False
         i += 1
     return found
@@ -200,7 +202,7 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
             assert block.adjacent and i > 0 and found[i - 1].info == "python", (
                 f"{block.where}: an output block must directly follow a python block"
             )
-        if block.info not in RUN:
+        if block.info not in RUN or not torch_is(block.needs):
             continue
         if block.info == "python":
             after = found[i + 1] if i + 1 < len(found) else None
@@ -211,6 +213,15 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
             run_console(block)
             ran.append(f"{block.where} console")
     return ran
+
+
+def torch_is(needs: str) -> bool:
+    """Whether this torch meets a block's ``torch>=X.Y`` (an empty one: always)."""
+    if not needs:
+        return True
+    m = re.fullmatch(r"torch>=(\d+)\.(\d+)", needs)
+    assert m, f"a code block's requirement {needs!r} is not torch>=X.Y"
+    return tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (int(m.group(1)), int(m.group(2)))
 
 
 def xxh3_128_hexdigest(data: bytes) -> str:

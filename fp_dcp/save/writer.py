@@ -19,7 +19,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..checkpoint import published_files
-from ..compat import ASYNC_STAGING, check_filesystem_writer_options, item_location, require, stock_plan_data
+from ..compat import (
+    ASYNC_STAGING,
+    check_filesystem_writer_options,
+    item_location,
+    plan_rank,
+    require,
+    stock_plan_data,
+)
 from ..config import IOConfig
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
@@ -167,7 +174,7 @@ class FastPersistWriter(StorageWriter):
         self._staged: StagedSave | None = None  # the async save now running, if any
         self._cancel = threading.Event()
         self.save_id = str(uuid.uuid4())
-        self.rank = 0
+        self.rank: int | None = 0
         self.is_coordinator = False
         self.last_save: SaveSummary | None = None
         self._lock: commit.SaveLock | None = None
@@ -233,7 +240,7 @@ class FastPersistWriter(StorageWriter):
         self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
         if not kwargs.get("use_collectives", True):
             raise ValueError("FastPersistWriter needs use_collectives=True: one coordinator publishes the checkpoint")
-        self.rank = kwargs.get("rank") or 0
+        self.rank = kwargs.get("rank")  # None from torch 2.7 (no rank passed): write_data takes the plan's
         self.is_coordinator = is_coordinator
         self._path = checkpoint_directory(self.path)
         self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
@@ -279,6 +286,8 @@ class FastPersistWriter(StorageWriter):
         self, plan: SavePlan, planner: SavePlanner, controls: SaveControls, staged: StagedSave | None
     ) -> Future[list[WriteResult]]:
         start = time.perf_counter()
+        if self.rank is None:
+            self.rank = plan_rank(plan.storage_data)
         engine, pool = self._io.get()
         paths = [
             os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token))

@@ -124,13 +124,14 @@ class OverlappedCheckpointer:
         else:  # the save runs here, to its end: torch's threaded async_save before 2.9 can hang at teardown
             log_once(f"{ASYNC_STAGING.refusal()}: saves run to their end before after_update returns instead")
             self._staging, self._upload = Future(), Future()
-            self._staging.set_result(None)
             try:
                 self._upload.set_result(
                     dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=self.writer, **options)
                 )
-            except BaseException as e:  # reported by the next call, as an async save's error is
+                self._staging.set_result(None)
+            except BaseException as e:  # reported by the next call (before_update too), as an async save's error is
                 self._upload.set_exception(e)
+                self._staging.set_exception(e)
         self.saves += 1
         self.blocked_seconds += time.perf_counter() - start
         return True
