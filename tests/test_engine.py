@@ -157,12 +157,13 @@ def test_untouched_targets_read_their_huge_page_blocks_in_place(tmp_path, monkey
     """Auto, where 4 KiB pages cap the disk's requests: the 2 MiB-aligned blocks of a target nobody touched yet get
     huge pages before their first touch (``prepare_targets``), so they are read in place at full request size;
     the rest of the target goes through the staging buffers. Without preparing, every byte is staged."""
-    from fp_dcp.io import buffers, device
+    from fp_dcp.io import buffers, device, prefault
 
     state = {f"t{i}": torch.randn(3 << 20) for i in range(2)}
     save(state, tmp_path / "ck")
     monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: True)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: True)
+    monkeypatch.setattr(prefault, "huge_pages_without_stalls", lambda: True)  # asked for whatever THP's defrag
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
     target = co_aligned_targets(tmp_path / "ck", untouched)
     load(target, tmp_path / "ck", config=IOConfig(direct_io=True, prepare_targets=prepare))

@@ -75,7 +75,7 @@ def test_prepared_memory_is_faulted_in_slice_by_slice_and_keeps_its_bytes():
     m = _untouched(5 * prefault.SLICE + 12345)
     view = memoryview(m)
     view[100:104] = b"keep"
-    prefaulter = prefault.Prefaulter(2)
+    prefaulter = prefault.Prefaulter(2, huge=True)
     try:
         prepared = prefaulter.prepare(view[64:])
         if not prefault.populate_supported():
@@ -143,3 +143,25 @@ def test_auto_host_threads_follow_the_cpus_and_the_ranks_of_the_node(monkeypatch
     assert IOConfig(host_threads=3).threads() == 3
     with pytest.raises(ValueError, match="host_threads"):
         IOConfig(host_threads=0)
+
+
+@pytest.mark.parametrize(
+    "enabled, defrag, asked",
+    [
+        ("always [madvise] never", "always defer defer+madvise [madvise] never", False),  # faults would compact
+        ("always [madvise] never", "always defer [defer+madvise] madvise never", False),
+        ("[always] madvise never", "always [defer] defer+madvise madvise never", True),
+        ("always [madvise] never", "always defer defer+madvise madvise [never]", True),
+        ("always madvise [never]", "always [defer] defer+madvise madvise never", False),  # no huge pages at all
+    ],
+)
+def test_huge_pages_are_asked_for_only_where_a_fault_would_not_compact_memory(
+    tmp_path, monkeypatch, enabled, defrag, asked
+):
+    (tmp_path / "enabled").write_text(enabled + "\n")
+    (tmp_path / "defrag").write_text(defrag + "\n")
+    monkeypatch.setattr(prefault, "_THP", f"{tmp_path}/")
+    assert prefault.huge_pages_without_stalls() is asked
+    assert prefault.Prefaulter(1).huge is asked
+    monkeypatch.setattr(prefault, "_THP", f"{tmp_path}/absent/")
+    assert prefault.huge_pages_without_stalls() is False

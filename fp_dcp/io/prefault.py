@@ -11,7 +11,13 @@ queue. So, for each target a load is about to fill:
   that hold no page yet (never on memory already touched), synchronously: a
   2 MiB fault clears as much as 512 small ones, and a block in one huge page
   is one run of physical memory, so a direct read into it is not split into
-  small requests (``io.device``);
+  small requests (``io.device``). Only where the kernel's THP ``defrag``
+  setting is ``defer`` or ``never``: with ``madvise`` (the kernel's default),
+  ``defer+madvise`` or ``always``, a fault in advised memory compacts memory
+  itself when no huge page is free, and on this project's VM that made loads
+  into fresh targets slower and erratic (2 GB, three alternating rounds:
+  1.08-2.82 GB/s and 0.47-1.52 CPU-s/GB with huge pages asked for,
+  1.96-2.60 GB/s and 0.55-0.62 CPU-s/GB populating 4 KiB pages);
 - ``populate`` faults every page in (``MADV_POPULATE_WRITE``, Linux 5.14) on
   helper threads, a window ahead of the reads, in slices, so reads into the
   target's first slices can start while its last ones are still faulted in.
@@ -28,12 +34,13 @@ from .. import _cio
 from ..log import log_once
 from ..units import MiB
 
-__all__ = ["Prefaulter", "Prepared", "NOTHING_PREPARED", "SLICE", "populate_supported"]
+__all__ = ["Prefaulter", "Prepared", "NOTHING_PREPARED", "SLICE", "populate_supported", "huge_pages_without_stalls"]
 
 SLICE = 16 * MiB  # faulted in per task: the first reads of a large target wait for one slice, not all of it
 _MIN_BYTES = 2 * MiB  # smaller targets are not worth a task: the copy into them faults them in quickly
 
 _supported: bool | None = None
+_THP = "/sys/kernel/mm/transparent_hugepage/"
 
 
 def populate_supported() -> bool:
@@ -50,6 +57,17 @@ def populate_supported() -> bool:
         finally:
             probe.close()
     return _supported
+
+
+def huge_pages_without_stalls() -> bool:
+    """Whether a fault in memory advised ``MADV_HUGEPAGE`` gets a huge page without compacting memory itself:
+    transparent huge pages on (``always`` or ``madvise``) and ``defrag`` set to ``defer`` or ``never``."""
+    try:
+        with open(_THP + "enabled") as enabled, open(_THP + "defrag") as defrag:
+            on, compaction = enabled.read(), defrag.read()
+    except OSError:
+        return False
+    return "[never]" not in on and ("[defer]" in compaction or "[never]" in compaction)
 
 
 class Prepared:
@@ -78,8 +96,9 @@ NOTHING_PREPARED = Prepared([], [])  # memory nobody prepares
 class Prefaulter:
     """Helper threads that fault in load targets' memory, in the order they are handed over."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, huge: bool | None = None) -> None:
         self.threads = threads
+        self.huge = huge_pages_without_stalls() if huge is None else huge  # ask for huge pages (None: where cheap)
         self._pool: ThreadPoolExecutor | None = None  # made on first use
 
     def prepare(self, memory: memoryview) -> Prepared:
@@ -89,7 +108,7 @@ class Prefaulter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp-dcp-prefault")
         memory = memory if memory.format == "B" and memory.ndim == 1 else memory.cast("B")
-        huge = _cio.advise_huge(memory)
+        huge = _cio.advise_huge(memory) if self.huge else []
         slices = []
         for start in range(0, memory.nbytes, SLICE):
             stop = min(start + SLICE, memory.nbytes)
