@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import failure, load, save
+from conftest import failure, load, metadata_failure, save
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import (
@@ -33,13 +33,6 @@ from fp_dcp import (
     UnsupportedTensorError,
     format,
 )
-
-
-def load_error(state, path) -> str:
-    """The message of a failed load (DCP wraps read_metadata errors into its own)."""
-    with pytest.raises(CheckpointException) as e:
-        load(state, path)
-    return str(failure(e))
 
 
 def test_path_is_a_file(tmp_path):
@@ -126,12 +119,15 @@ def test_unsupported_tensor_kinds_are_named(ckpt, make, words):
     assert not [n for n in os.listdir(ckpt) if n.endswith(".distcp")]
 
 
-def test_reader_on_missing_and_non_checkpoint_directories(tmp_path):
-    assert "is not a directory" in load_error({"w": torch.zeros(2)}, tmp_path / "nowhere")
+def test_reader_on_missing_and_non_checkpoint_directories(tmp_path, caplog):
+    with pytest.raises(CheckpointException) as e:
+        load({"w": torch.zeros(2)}, tmp_path / "nowhere")
+    assert "is not a directory" in metadata_failure(e, caplog)
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "notes.txt").write_text("hello")
-    message = load_error({"w": torch.zeros(2)}, tmp_path / "plain")
-    assert "holds no checkpoint: .metadata is missing" in message
+    with pytest.raises(CheckpointException) as e:
+        load({"w": torch.zeros(2)}, tmp_path / "plain")
+    assert "holds no checkpoint: .metadata is missing" in metadata_failure(e, caplog)
     with pytest.raises(NotACheckpointError):
         FastPersistReader(tmp_path / "plain").read_metadata()
     assert not FastPersistReader.validate_checkpoint_id(tmp_path / "plain")
