@@ -71,7 +71,7 @@ from dist_util import run_ranks
 from test_bad_input import rewrite_footer
 from tiers_util import seaweedfs
 
-from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio
+from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio, compat
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.errors import CheckpointError
 from fp_dcp.tools import cli
@@ -88,7 +88,7 @@ class Block:
     info: str
     text: str
     adjacent: bool  # only blank lines separate it from the block before
-    needs: str = ""  # "torch>=2.9" after the info string: a block that runs only on that torch or newer
+    needs: str = ""  # "torch>=2.9" ending the info string: a block that runs only on that torch or newer
 
     @property
     def where(self) -> str:
@@ -110,8 +110,9 @@ def blocks(doc: Path) -> list[Block]:
         i += 1
         while i < len(lines) and lines[i].strip() != fence:
             i += 1
-        info, _, needs = info.partition(" ")
-        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n", not prose, needs.strip()))
+        required = re.fullmatch(r"(.*?)\s+(torch>=\d+\.\d+)", info)  # e.g. "python torch>=2.9"
+        info, needs = (required.group(1), required.group(2)) if required else (info, "")
+        found.append(Block(doc, start + 1, info, "\n".join(lines[start:i]) + "\n", not prose, needs))
         prose = False
         i += 1
     return found
@@ -219,9 +220,8 @@ def torch_is(needs: str) -> bool:
     """Whether this torch meets a block's ``torch>=X.Y`` (an empty one: always)."""
     if not needs:
         return True
-    m = re.fullmatch(r"torch>=(\d+)\.(\d+)", needs)
-    assert m, f"a code block's requirement {needs!r} is not torch>=X.Y"
-    return tuple(int(n) for n in torch.__version__.split(".")[:2]) >= (int(m.group(1)), int(m.group(2)))
+    major, minor = needs.removeprefix("torch>=").split(".")
+    return compat.TORCH >= (int(major), int(minor))
 
 
 def xxh3_128_hexdigest(data: bytes) -> str:
