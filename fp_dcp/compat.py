@@ -118,6 +118,7 @@ __all__ = [
     "has",
     "require",
     "WRITER_IS_NOT_AN_ASYNC_STAGER",
+    "DCP_HIDES_METADATA_ERRORS",
     "READ_METADATA_KWARGS",
     "flatten_state_dict",
     "EmptyStateDictLoadPlanner",
@@ -188,6 +189,10 @@ def require(feature: TorchFeature) -> None:
     if not has(feature):
         raise TorchVersionError(feature.refusal())
 
+
+# torch 2.9 to 2.11's load catches read_metadata's error, logs it only at a level nothing shows by default,
+# and fails on a bare `assert metadata is not None`: the reader logs the error itself there.
+DCP_HIDES_METADATA_ERRORS = (2, 9) <= TORCH < (2, 12)
 
 WRITER_IS_NOT_AN_ASYNC_STAGER = "_synchronize_after_execute"  # the AsyncStager member the writer leaves unset
 READ_METADATA_KWARGS = "kwargs"  # the parameter name that makes DCP retry read_metadata with rank=...

@@ -70,10 +70,10 @@ def failure(exc_info: pytest.ExceptionInfo) -> BaseException:
 
 
 def metadata_failure(exc_info: pytest.ExceptionInfo, caplog: pytest.LogCaptureFixture) -> str:
-    """What a load whose ``read_metadata`` failed tells the user: the rank's error, and the warnings DCP logged.
+    """What a load whose ``read_metadata`` failed tells the user: the rank's error, and what fp-dcp logged.
 
-    torch 2.9 to 2.11 catch ``read_metadata``'s error, log it with its traceback as a warning, and then fail
-    on ``assert metadata is not None`` alone; the others raise it, or name it in their own error.
+    torch 2.9 to 2.11 catch ``read_metadata``'s error and fail on ``assert metadata is not None`` alone; there
+    the reader logs the error itself (``compat.DCP_HIDES_METADATA_ERRORS``). The others raise it, or name it.
     """
     return f"{failure(exc_info)}\n{caplog.text}"
 

@@ -133,6 +133,19 @@ def test_reader_on_missing_and_non_checkpoint_directories(tmp_path, caplog):
     assert not FastPersistReader.validate_checkpoint_id(tmp_path / "plain")
 
 
+def test_where_dcp_hides_a_failed_metadata_read_the_reader_logs_it(tmp_path, monkeypatch, caplog):
+    import fp_dcp.load.reader
+
+    monkeypatch.setattr(fp_dcp.load.reader, "DCP_HIDES_METADATA_ERRORS", True)  # as torch 2.9-2.11 do
+    with pytest.raises(NotACheckpointError):
+        FastPersistReader(tmp_path / "nowhere").read_metadata()
+    assert "is not a directory" in caplog.text
+    caplog.clear()
+    with pytest.raises(NotACheckpointError):
+        FastPersistReader(tmp_path / "nowhere").read_metadata(rank=0)  # DCP's retry: said once, not twice
+    assert caplog.text == ""
+
+
 def rewrite_footer(path, edit: Callable[[dict[str, Any]], None] | None = None, **changes) -> None:
     """Re-encode .metadata's footer with ``changes`` (and ``edit`` applied to it), keeping its checksums valid."""
     data = (path / ".metadata").read_bytes()

@@ -18,12 +18,14 @@ from torch.futures import Future
 
 from .. import _cio
 from ..checkpoint import is_safetensors_directory, open_checkpoint, read_metadata_bytes
+from ..compat import DCP_HIDES_METADATA_ERRORS
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
 from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
+from ..log import log
 from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .catalog import Catalog, FastPersistCatalog
@@ -172,6 +174,14 @@ class FastPersistReader(StorageReader):
     # so DCP's retry with rank=... would only bury the real error under a second one.
     # DCP calls reset() only when a checkpoint_id is passed, so every load starts here.
     def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except Exception as e:
+            if DCP_HIDES_METADATA_ERRORS and "rank" not in options:  # (DCP retries with rank=: said once)
+                log.error(f"fp-dcp: {type(e).__name__}: {e}")
+            raise
+
+    def _read_metadata(self) -> Metadata:
         self.load_id = str(uuid.uuid4())
         self._catalog = None
         self._stock = None
