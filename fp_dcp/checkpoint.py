@@ -386,7 +386,7 @@ def published_files(directory: str) -> set[str]:
         stock = _stock_metadata(data)
         if stock is None:
             return set()
-        names = {getattr(info, "relative_path", None) for info in stock.storage_data.values()}
+        names = {info.relative_path for info in stock.storage_data.values()}  # (_stock_metadata checked they have one)
         return {name for name in names if isinstance(name, str) and is_file_name(name)}
     try:
         _, footer = decode_metadata(data, directory)
