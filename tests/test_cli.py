@@ -236,6 +236,9 @@ def fake_report(limit: fio.Fio | None = HUGE) -> dict:
     """``bench.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
     methods = bench.build_methods({}, 1, [1, 2], "unused", limit)
     for i, m in enumerate(methods):
+        if m.save is None:  # a reference for loads only: run() never saves with it
+            m.loaded["fresh"].gbps, m.loaded["fresh"].cpu_per_gb = [1.5 + i], [2.0]
+            continue
         m.saved.gbps, m.saved.cpu_per_gb = [1.0 + i, 1.2 + i, 0.8 + i], [0.5]
         m.saved.in_flight, m.saved.request_kib = [8.0 + i], [4096.0]
         m.peak_rss = [1 << 20]
@@ -256,7 +259,7 @@ def test_bench_plot_draws_the_medians(tmp_path, monkeypatch, capsys):
     fig = plot.plot_bench(report, tmp_path / "again.png")
     save_bars, fresh_bars, touched_bars = fig.axes[0].containers
     rows = list(report["methods"].values())
-    assert [b.get_height() for b in save_bars] == [row["save_gbps"] for row in rows]
+    assert [b.get_height() for b in save_bars] == [row["save_gbps"] or 0.0 for row in rows]
     assert [b.get_height() for b in fresh_bars] == [plot.load_gbps(row, "fresh") for row in rows]
     assert [b.get_height() for b in touched_bars] == [plot.load_gbps(row, "touched") for row in rows]
     fp = report["methods"]["fp-dcp"]["loads"]
@@ -346,6 +349,52 @@ def test_bench_loads_into_fresh_and_touched_targets_and_saves_into_the_null_sink
     assert set(methods["FileSystemWriter t=1"].loads) == {"fresh", "touched"}  # the stock reader too
     assert not methods["FileSystemWriter t=2"].loads and not methods[bench.NULL].loads
     assert set(methods["fio depth 32, huge pages"].loads) == {"disk"}
+
+
+def test_bench_times_the_first_touch_of_fresh_memory_beside_the_fresh_load(tmp_path, monkeypatch, capsys):
+    """The memory's own limit for fresh targets: faulted in right after fp-dcp's fresh load, before its check."""
+    steps = []
+    size = 4 * MiB
+
+    class Spy(bench.Prefaulter):
+        def prepare(self, memory):
+            steps.append(("first touch", memory.nbytes, self.threads))
+            return super().prepare(memory)
+
+    monkeypatch.setattr(bench, "Prefaulter", Spy)
+    sd = {"w": torch.arange(size // 4, dtype=torch.float32)}
+    methods = bench.build_methods(sd, size, [1], str(tmp_path), None)
+    fp = methods[0]
+    memory = fp.beside["fresh"]
+    assert memory.name == bench.MEMORY and memory.save is None and set(memory.loads) == {"fresh"}
+    for kind, step in list(fp.loads.items()):
+        fp.loads[kind] = lambda path, step=step, kind=kind: (steps.append(("load", kind)), step(path))[1]
+    check = fp.check
+    fp.check = lambda: (steps.append(("check",)), check())[1]
+    monkeypatch.setattr(bench, "llm_state_dict", lambda nbytes: sd)
+    monkeypatch.setattr(bench, "build_methods", lambda *args: [fp, memory])
+    monkeypatch.setattr(bench, "report", lambda methods, *args: methods)
+    bench.run(size / bench.GB, str(tmp_path), 1, [1])
+    threads = bench.IOConfig().threads()
+    assert steps == [("load", "fresh"), ("first touch", size, threads), ("check",), ("load", "touched"), ("check",)]
+    assert len(memory.loaded["fresh"].gbps) == 1 and not memory.saved.gbps  # timed once, never saved
+
+
+def test_bench_compares_fresh_loads_with_the_slower_of_the_disk_and_the_first_touch(capsys):
+    r = fake_report()
+    methods, q = r["methods"], r["ratios"]
+    fp = methods["fp-dcp"]["loads"]["fresh"]["gbps"]
+    touch = methods[bench.MEMORY]["loads"]["fresh"]["gbps"]
+    disk = methods["fio depth 32, huge pages"]["loads"]["disk"]["gbps"]
+    assert methods[bench.MEMORY]["save_gbps"] is None and methods[bench.MEMORY]["peak_rss_growth_mib"] is None
+    assert q["load_fresh_vs_first_touch"] == pytest.approx(fp / touch)
+    assert q["load_fresh_vs_slower_limit"] == pytest.approx(fp / min(touch, disk))
+    assert r["bars"]["load (fresh targets) >= 0.95 x min(fio, first touch)"] == (fp / min(touch, disk) >= 0.95)
+    bench.print_report(r, 3)
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith(bench.MEMORY) and "fresh" not in line for line in lines)  # no save row
+    assert any(line.startswith(bench.MEMORY) and line.split()[-5] == "fresh" for line in lines)
+    assert any(line.startswith(f"fresh memory faults in at {touch:.2f} GB/s here") for line in lines)
 
 
 def test_bench_prints_the_disks_requests_for_saves_and_loads(capsys):

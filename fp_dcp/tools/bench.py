@@ -22,6 +22,13 @@ README's example does, into both kinds of target a user has: *fresh* ones
 (``torch.empty_like`` just before the load, as a meta-device model's
 ``to_empty()`` makes them: nobody has written them, every page's first write
 a fault) and *touched* ones (written before, as a model that trained).
+Right after each fp-dcp load into fresh targets, while they are still held,
+as many bytes of fresh memory are faulted in the way a load's helpers do it
+(``io.prefault``): the rate at which this machine hands out memory nobody
+has written, a limit of every load into fresh targets beside the disk's. On
+a VM whose host takes back the guest's free memory (free page reporting, a
+balloon), memory the guest has not used lately faults in several times
+slower than memory it has (``docs/benchmarks.md``).
 
 A save into fp-dcp's null sink (``IOConfig(engine="null")``: writes complete
 at once and store nothing, and no checkpoint is published) shows what the
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -58,6 +66,7 @@ from .. import FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from ..io.device import disk_of
 from ..io.diskstats import DiskCounters
 from ..io.files import fsync_path
+from ..io.prefault import Prefaulter, populate_supported
 from ..units import MiB
 from .fio import Fio, reference
 from .workload import PeakRSS, cpu_seconds, evict, fresh_allocations, llm_state_dict, targets, tensor_bytes
@@ -65,6 +74,7 @@ from .workload import PeakRSS, cpu_seconds, evict, fresh_allocations, llm_state_
 GB = 1e9
 DD = "dd oflag=direct"
 NULL = "fp-dcp, null sink"
+MEMORY = "fresh memory, first touch"
 DISK = "disk"  # a load that fills no targets: fio's read
 TARGETS = ("fresh", "touched")
 
@@ -79,12 +89,16 @@ class Runs:
         self.request_kib: list[float] = []
 
     def summary(self) -> dict[str, Any]:
-        med = statistics.median
+        """Medians; None for a figure never measured."""
+
+        def med(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
         return {
             "gbps": med(self.gbps),
             "cpu_s_per_gb": med(self.cpu_per_gb),
-            "in_flight": med(self.in_flight) if self.in_flight else None,
-            "request_kib": med(self.request_kib) if self.request_kib else None,
+            "in_flight": med(self.in_flight),
+            "request_kib": med(self.request_kib),
             "runs_gbps": self.gbps,
         }
 
@@ -92,22 +106,25 @@ class Runs:
 class Method:
     """A way to save, and the loads of what it saved: ``loads`` by target kind (``fresh``, ``touched``, or
     ``disk`` for a read that fills none); ``check`` runs after each load, untimed; ``child``: it runs as a
-    child process, so its CPU time is the children's."""
+    child process, so its CPU time is the children's. ``beside``: by target kind, references timed right after
+    that load, before its check (its targets still held); a reference has no ``save`` and runs only there."""
 
     def __init__(
         self,
         name: str,
-        save: Callable[[str], None],
+        save: Callable[[str], None] | None,
         loads: dict[str, Callable[[str], None]] | None = None,
         check: Callable[[], None] | None = None,
         *,
         child: bool = False,
+        beside: dict[str, Method] | None = None,
     ) -> None:
         self.name = name
         self.save = save
         self.loads = loads or {}
         self.check = check
         self.child = child
+        self.beside = beside or {}
         self.saved = Runs()
         self.peak_rss: list[int] = []
         self.loaded = {kind: Runs() for kind in self.loads}
@@ -163,7 +180,11 @@ def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: st
         )
 
     fp_loads = {kind: load_into(kind, FastPersistReader) for kind in TARGETS}
-    methods = [Method("fp-dcp", fp_save, fp_loads, check=check), Method(NULL, null_save)]
+    memory = Method(MEMORY, None, {"fresh": first_touch(size)}) if populate_supported() else None
+    beside = {"fresh": memory} if memory is not None else None
+    methods = [Method("fp-dcp", fp_save, fp_loads, check=check, beside=beside)]
+    methods += [memory] if memory is not None else []
+    methods.append(Method(NULL, null_save))
     for n in threads:
         fs_loads = {kind: load_into(kind, dcp.FileSystemReader) for kind in TARGETS} if n == threads[0] else None
         methods.append(Method(f"FileSystemWriter t={n}", fs_save(n), fs_loads))
@@ -172,6 +193,25 @@ def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: st
         methods.append(Method(fio.label, fio_run(fio, "write"), {DISK: fio_run(fio, "read")}, child=True))
     methods.append(Method(DD, dd, child=True))
     return methods
+
+
+def first_touch(size: int) -> Callable[[str], None]:
+    """Fault in ``size`` bytes of fresh anonymous memory as a load's prefaulter faults in its targets (the same
+    threads, the same huge-page choice), then unmap them."""
+    threads = IOConfig().threads()
+
+    def touch(path: str) -> None:
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(memory)
+        prefaulter = Prefaulter(threads)
+        try:
+            prefaulter.prepare(view).wait(size)
+        finally:
+            prefaulter.close()
+            view.release()
+            memory.close()
+
+    return touch
 
 
 def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dict[str, Any]:
@@ -186,6 +226,8 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
             methods = build_methods(sd, size, threads, workdir, fio)
             for rep in range(repeats):
                 for i, m in enumerate(methods):
+                    if m.save is None:
+                        continue  # a reference, timed beside a load
                     path = os.path.join(workdir, f"{rep}-{i}")
                     with rss.watch():
                         _measure(m, m.save, path, m.saved, size, disk)
@@ -193,6 +235,9 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
                     for kind, load in m.loads.items():
                         evict(path)
                         _measure(m, load, path, m.loaded[kind], size, disk, reads=True)
+                        if kind in m.beside:
+                            ref = m.beside[kind]
+                            _measure(ref, ref.loads[kind], path, ref.loaded[kind], size, None, reads=True)
                         if m.check is not None:
                             m.check()
                     if os.path.exists(path):
@@ -247,7 +292,7 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         rows[m.name] = {
             "save_gbps": saved["gbps"],
             "cpu_s_per_gb": saved["cpu_s_per_gb"],
-            "peak_rss_growth_mib": max(m.peak_rss) / MiB,
+            "peak_rss_growth_mib": max(m.peak_rss) / MiB if m.save is not None else None,
             "save_in_flight": saved["in_flight"],
             "save_request_kib": saved["request_kib"],
             "runs_save_gbps": saved["runs_gbps"],
@@ -278,6 +323,11 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         ratios[f"load_{kind}_vs_filesystemreader"] = load("fp-dcp", kind) / load(fs1, kind)
         ratios[f"load_{kind}_vs_fio"] = load("fp-dcp", kind) / load(limit, DISK) if limit else None
         ratios[f"load_{kind}_cpu_s_per_gb"] = fp["loads"][kind]["cpu_s_per_gb"]
+    if MEMORY in rows:  # fresh targets are bounded by the memory's first touch as well as by the disk
+        first_touch = load(MEMORY, "fresh")
+        ratios["load_fresh_vs_first_touch"] = load("fp-dcp", "fresh") / first_touch
+        slower = min(first_touch, load(limit, DISK)) if limit else first_touch
+        ratios["load_fresh_vs_slower_limit"] = load("fp-dcp", "fresh") / slower
     q = {k: v for k, v in ratios.items() if v is not None}
     # fio from huge-page buffers is the disk's limit; dd, one request at a time, only a floor
     reference_name, save_bar = ("fio", 1.0) if limit else ("dd", 0.85)
@@ -293,6 +343,10 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         if limit:
             bars[f"load ({kind} targets) >= 0.95 x fio"] = q[f"load_{kind}_vs_fio"] >= 0.95
         bars[f"load ({kind} targets) CPU-s/GB <= 0.15"] = q[f"load_{kind}_cpu_s_per_gb"] <= 0.15
+    if "load_fresh_vs_slower_limit" in q:
+        bars[f"load (fresh targets) >= 0.95 x {'min(fio, first touch)' if limit else 'first touch'}"] = (
+            q["load_fresh_vs_slower_limit"] >= 0.95
+        )
     return {
         "state_dict_bytes": size,
         "directory_fs": _filesystem(directory),
@@ -329,6 +383,8 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
     print(f"loads read cold ({r['cache_eviction']}), each through a reader made anew\n")
     print(f"{'save':<28}{'GB/s':>8}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'wr depth':>10}{'wr KiB':>8}")
     for name, row in r["methods"].items():
+        if row["save_gbps"] is None:
+            continue  # a reference for loads only
         print(
             f"{name:<28}{row['save_gbps']:>8.2f}{row['cpu_s_per_gb']:>10.3f}{row['peak_rss_growth_mib']:>10.0f}"
             f"{_cell(row['save_in_flight'], '.1f'):>10}{_cell(row['save_request_kib'], '.0f'):>8}"
@@ -350,6 +406,12 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         )
     else:
         print("\nfio is not installed: dd is the only reference for the disk (apt-get install fio)")
+    if "load_fresh_vs_first_touch" in q:
+        print(
+            f"fresh memory faults in at {r['methods'][MEMORY]['loads']['fresh']['gbps']:.2f} GB/s here (first touch): "
+            f"fp-dcp's load into fresh targets = {q['load_fresh_vs_first_touch']:.2f} x that, "
+            f"{q['load_fresh_vs_slower_limit']:.2f} x the slower of it and the disk"
+        )
     print(
         f"fp-dcp save = {q['save_vs_dd']:.2f} x dd, {q['save_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1, "
         f"{q['save_vs_filesystemwriter_best']:.2f} x its best thread count, {q['save_vs_torch_save']:.2f} x torch.save"
@@ -366,8 +428,10 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
     )
     print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds;")
     print(" fresh targets: made just before the load and never written (torch.empty_like, to_empty()); touched:")
-    print(" written before; wr/rd depth, KiB: requests the disk had queued on average, and their average size,")
-    print(" from /proc/diskstats: a shallow queue or small requests where fio keeps the disk busier is lost speed)")
+    print(" written before; first touch: as many bytes of fresh memory faulted in by the load's helper threads")
+    print(" right after fp-dcp's load, its targets held; wr/rd depth, KiB: requests the disk had queued on average,")
+    print(" and their average size, from /proc/diskstats: a shallow queue or small requests where fio keeps the")
+    print(" disk busier is lost speed)")
     for bar, ok in r["bars"].items():
         print(f"  [{'ok' if ok else 'MISSED'}] {bar}")
 

@@ -43,12 +43,12 @@ def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> Any:
     x = range(len(names))
     width = 0.27
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.2), layout="constrained")
-    save = [methods[n]["save_gbps"] for n in names]
+    save = [methods[n]["save_gbps"] or 0.0 for n in names]  # None: a reference for loads only
     save_bars = ax.bar([i - width for i in x], save, width, label="save (median)", color="#3b6ea8")
     for i, name in enumerate(names):
         runs = methods[name]["runs_save_gbps"]
         ax.plot([i - width] * len(runs), runs, "_", color="black", markersize=12)
-    ax.bar_label(save_bars, fmt="%.2f", fontsize=8)
+    ax.bar_label(save_bars, labels=[f"{v:.2f}" if v else "" for v in save], fontsize=8)
     for shift, kind, color in ((0.0, "fresh", "#e08a2c"), (width, "touched", "#f2c27b")):
         load = [load_gbps(methods[n], kind) for n in names]
         bars = ax.bar([i + shift for i in x], load, width, label=f"load into {kind} targets, cold", color=color)
