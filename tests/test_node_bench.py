@@ -35,3 +35,9 @@ def test_fio_jobs_write_a_file_each_dealt_over_the_directories_and_report_every_
 
 def test_one_ranks_share_is_fsdp2s_first_and_largest_chunk_of_dim_0():
     assert share_of({"w": (10, 3), "norm": (8,)}, 4) == {"w": (3, 3), "norm": (2,)}
+
+
+def test_fio_allocates_files_off_its_clock_only_where_asked():
+    """On tmpfs a layout's fallocate allocates every page, off fio's clock: node_bench turns it off there."""
+    assert not any(a.startswith("--fallocate") for a in Jobs(jobs=2).args("d", "write", MiB))
+    assert "--fallocate=none" in Jobs(jobs=2, direct=False, allocate_first=False).args("d", "write", MiB)
