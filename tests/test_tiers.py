@@ -28,7 +28,7 @@ from tiers_util import (
 
 import fp_dcp.tiers.store
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps, verify_checkpoint
-from fp_dcp.load.verify import StreamCheck
+from fp_dcp.load.stream_check import StreamCheck
 from fp_dcp.tiers import FsspecStore, PosixStore, Retry, parse_step_name
 
 WORLD = 4

@@ -41,7 +41,8 @@ from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
 from ..safetensors_format import INDEX_NAME
 from .safetensors import Header, catalogue, checkpoint_files, read_header, read_weight_map
-from .verify import VerifyReport, scan_ranges, scan_resources
+from .stream_check import scan_ranges
+from .verify import VerifyReport, scan_resources
 
 __all__ = ["SafetensorsVerifyReport", "RecordedHash", "recorded_hash", "verify_safetensors"]
 

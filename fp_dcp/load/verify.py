@@ -45,42 +45,28 @@ import stat
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from .. import _cio
 from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_checkpoint
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
-from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
+from ..format import METADATA_NAME, describe_item
 from ..io.buffers import BufferPool
 from ..io.engine import Engine, IOResources
-from ..io.extents import Extent, Piece, Window, plan_extents
-from ..io.files import DataFile, open_file
+from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
 from ..structure import nesting_fault
 from ..units import PAGE, MiB, align_up
 from .catalog import FastPersistCatalog
-from .hashes import ItemHashes
+from .stream_check import Item, items_by_file, scan_ranges, segments_of
 
-__all__ = [
-    "VerifyReport",
-    "verify_checkpoint",
-    "StreamCheck",
-    "items_by_file",
-    "scan_resources",
-    "scan_ranges",
-    "FedRange",
-]
+__all__ = ["VerifyReport", "verify_checkpoint", "scan_resources"]
 
 # Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
 _READ = 16 * MiB
 _IN_FLIGHT = 4
 _NAMES_SHOWN = 5  # items named in a problem about a whole file
-
-_Item = tuple[MetadataIndex, ItemLocation]
 
 
 @dataclass(frozen=True)
@@ -201,7 +187,7 @@ def _nesting(metadata: Metadata) -> list[str]:
     return [f"{METADATA_NAME}: {fault}"] if fault is not None else []
 
 
-def _file_problems(checkpoint: Checkpoint, by_file: dict[str, list[_Item]]) -> list[str]:
+def _file_problems(checkpoint: Checkpoint, by_file: dict[str, list[Item]]) -> list[str]:
     """Files the footer lists that hold no item, and own files whose size is not their last item's end rounded up.
 
     A file an entry with an ``owner`` names holds that checkpoint's other items too, past the referenced ones.
@@ -220,15 +206,6 @@ def _file_problems(checkpoint: Checkpoint, by_file: dict[str, list[_Item]]) -> l
     return problems
 
 
-class FedRange(Protocol):
-    """Bytes ``start..stop`` of a file, fed to it in order as they are read."""
-
-    start: int
-    stop: int
-
-    def feed(self, data: memoryview, at: int) -> None: ...
-
-
 def _absent_from_node(checkpoint: Checkpoint) -> tuple[set[str], str]:
     """The data files a node's copy of a tiered step lacks (other tiers hold them), and a line saying so."""
     node = node_of(checkpoint.path)
@@ -244,93 +221,10 @@ def _absent_from_node(checkpoint: Checkpoint) -> tuple[set[str], str]:
     )
 
 
-class _Segment:
-    """A byte range of a data file to check: an item's bytes (``item`` set) or padding (``item`` None)."""
-
-    __slots__ = ("start", "stop", "item", "crc", "hashes", "nonzero", "first_nonzero")
-
-    def __init__(self, start: int, stop: int, item: _Item | None) -> None:
-        self.start = start
-        self.stop = stop
-        self.item = item
-        self.crc = 0
-        self.hashes = ItemHashes.of(item[1]) if item is not None else None
-        self.nonzero = 0
-        self.first_nonzero = -1
-
-    def feed(self, data: memoryview, at: int) -> None:
-        if self.item is not None:
-            if self.hashes is None:
-                self.crc = _cio.crc32c(data, self.crc)
-            else:
-                self.crc = _cio.crc32c(data, self.crc, self.hashes.hasher)
-                self.hashes.feed_sample(data, at - self.start)
-            return
-        flags = np.frombuffer(data, dtype=np.uint8)
-        count = int(np.count_nonzero(flags))
-        if count and not self.nonzero:
-            self.first_nonzero = at + int(np.flatnonzero(flags)[0])
-        self.nonzero += count
-
-    def problem(self, path: str) -> str | None:
-        if self.item is None:
-            if not self.nonzero:
-                return None
-            return (
-                f"data file {path}: {self.nonzero} byte(s) outside every item are not zero, the first at offset "
-                f"{self.first_nonzero} (damaged after the save; the items there are intact)"
-            )
-        index, loc = self.item
-        if self.crc != loc.crc32c:
-            return checksum_mismatch(index, loc, self.crc)
-        return _hash_mismatch(index, self.hashes)
-
-
-def _hash_mismatch(index: MetadataIndex, hashes: ItemHashes | None) -> str | None:
-    """A problem line if the item's stored hashes disagree with its bytes (its CRC-32C agreeing)."""
-    if hashes is None or not (wrong := hashes.problems()):
-        return None
-    return f"hash mismatch for {describe_item(index, hashes.location)} (its CRC-32C matches): {'; '.join(wrong)}"
-
-
-def _segments(
-    name: str, size: int, items: list[_Item], padding: bool, problems: list[str]
-) -> tuple[list[_Segment], int]:
-    """The items within the first ``size`` bytes and (with ``padding``) the bytes around them, in file order.
-
-    Also returns the items' bytes.
-    """
-    segments = []
-    cursor = 0
-    nbytes = 0
-    for index, loc in sorted(items, key=lambda item: item[1].offset):
-        stop = loc.offset + loc.length
-        if stop > size:
-            problems.append(f"{describe_item(index, loc)}: {name} ends at byte {size}, before the end of the item")
-            cursor = max(cursor, stop)  # what is left of the item is not padding
-            continue
-        if loc.offset < cursor:
-            problems.append(
-                f"{describe_item(index, loc)}: overlaps the item before it ({METADATA_NAME} is inconsistent)"
-            )
-            continue
-        if loc.offset > cursor and padding:
-            segments.append(_Segment(cursor, loc.offset, None))
-        if loc.length:
-            segments.append(_Segment(loc.offset, stop, (index, loc)))
-        elif (wrong := _hash_mismatch(index, ItemHashes.of(loc))) is not None:  # its CRC-32C 0: opening checked
-            problems.append(wrong)
-        nbytes += loc.length
-        cursor = stop
-    if cursor < size and padding:
-        segments.append(_Segment(cursor, size, None))
-    return segments, nbytes
-
-
 def _verify_file(
     path: str,
     expected: int,
-    items: list[_Item],
+    items: list[Item],
     whole: bool,
     engine: Engine,
     pool: BufferPool,
@@ -357,7 +251,7 @@ def _verify_file(
             problems.append(f"data file {path} is truncated: {size} bytes, written as {expected}")
         elif size > expected:
             problems.append(f"data file {path} is {size} bytes, written as {expected}: something appended to it")
-        segments, nbytes = _segments(name, min(size, expected), items, whole, problems)
+        segments, nbytes = segments_of(name, min(size, expected), items, whole, problems)
         if f.direct and min(size, expected) % f.align:
             # A truncated file: through the page cache, so no direct read has to end past the end.
             f.close()
@@ -373,92 +267,12 @@ def _verify_file(
     return nbytes
 
 
-def items_by_file(checkpoint: Checkpoint) -> dict[str, list[_Item]]:
-    """Every data file the checkpoint lists, with the items it stores in it (by its metadata)."""
-    by_file: dict[str, list[_Item]] = {name: [] for name in checkpoint.files}
-    for index, value in checkpoint.metadata.storage_data.items():
-        loc = ItemLocation._make(value)
-        by_file.setdefault(loc.file, []).append((index, loc))
-    return by_file
-
-
-class StreamCheck:
-    """Checks one data file's bytes as they pass by in order: a transfer or a read-back, not a file on disk.
-
-    ``whole``: the file is this checkpoint's own, so its size must be exact and
-    the bytes around the items zeros (as ``verify_checkpoint`` checks); a file
-    it references in an earlier checkpoint holds that one's items too, so only
-    the referenced items are checked and the file may be longer than they reach.
-    """
-
-    def __init__(self, name: str, size: int, items: list[_Item], whole: bool) -> None:
-        self.name, self.size, self.whole = name, size, whole
-        self._problems: list[str] = []
-        self._segments, _ = _segments(name, size, items, whole, self._problems)
-        self._next = 0  # the first segment not yet wholly fed
-        self.received = 0
-
-    def feed(self, data: memoryview | bytes) -> None:
-        """The next ``len(data)`` bytes of the file."""
-        view = memoryview(data).cast("B")
-        start, stop = self.received, self.received + len(view)
-        self.received = stop
-        k = self._next
-        while k < len(self._segments) and self._segments[k].start < stop:
-            segment = self._segments[k]
-            lo, hi = max(segment.start, start), min(segment.stop, stop)
-            if lo < hi:
-                segment.feed(view[lo - start : hi - start], lo)
-            if segment.stop > stop:
-                break
-            k += 1
-        self._next = k
-
-    def problems(self, where: str) -> list[str]:
-        """What is wrong with the bytes fed so far, as the whole file (``where`` names it in the lines)."""
-        problems = list(self._problems)
-        if self.received < self.size or (self.whole and self.received > self.size):
-            problems.append(f"data file {where} is {self.received} bytes, written as {self.size}")
-        problems += filter(None, (segment.problem(where) for segment in self._segments))
-        return problems
-
-
-def _holds(items: list[_Item]) -> str:
+def _holds(items: list[Item]) -> str:
     if not items:
         return "it holds no items"
     names = ", ".join(repr(index.fqn) for index, _ in items[:_NAMES_SHOWN])
     more = f" and {len(items) - _NAMES_SHOWN} more" if len(items) > _NAMES_SHOWN else ""
     return f"it holds {len(items)} item(s): {names}{more}"
-
-
-def scan_ranges(
-    engine: Engine,
-    f: DataFile,
-    pool: BufferPool,
-    segments: Sequence[FedRange],
-    progress: Progress,
-    end: int | None = None,
-) -> None:
-    """Read the bytes the segments cover (in file order) through the read pipeline's window, feeding each.
-
-    ``end``: where the file ends, for a file whose end is not on the alignment (else every read is whole).
-    """
-
-    def retire(extent: Extent, buffer: memoryview | None) -> None:
-        assert buffer is not None  # segments have no memory of their own: every extent is staged
-        for segment, at, buf_offset, length in extent.parts:
-            segment.feed(buffer[buf_offset : buf_offset + length], segment.start + at)
-
-    pieces = (Piece(s.start, s.stop - s.start, s, 0, None) for s in segments)
-    window = Window(engine, pool, retire, pool.count, progress)
-    try:
-        for extent in plan_extents(pieces, f.align, pool.size, pool.size, 0.0):
-            buffer = window.stage(extent.length)
-            window.push(engine.read(f, buffer, extent.file_offset, end), extent, buffer)
-        window.finish()
-    except BaseException:
-        window.abort()
-        raise
 
 
 def _verify_stock(checkpoint: Checkpoint) -> VerifyReport:

@@ -70,7 +70,7 @@ class Transfer:
 
 
 class Check(Protocol):
-    """What a sink checks the bytes with as they arrive (``fp_dcp.load.verify.StreamCheck``)."""
+    """What a sink checks the bytes with as they arrive (``fp_dcp.load.stream_check.StreamCheck``)."""
 
     def feed(self, data: memoryview | bytes) -> None: ...
 

@@ -22,7 +22,7 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, NODE_MARKER, RETIRED_NAME, decode_footer, parse_data_file_name
 from ..io.files import write_durably
-from ..load.verify import StreamCheck, items_by_file
+from ..load.stream_check import StreamCheck, items_by_file
 from ..save import commit
 
 __all__ = [

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from ..checkpoint import decode_checked
 from ..errors import CheckpointError
 from ..format import METADATA_NAME
-from ..load.verify import StreamCheck
+from ..load.stream_check import StreamCheck
 from ..log import log
 from ..net.group import Group
 from ..net.transport import DEFAULT_CHUNK, FileSink, Transfer, Transport

@@ -24,7 +24,7 @@ from typing import Any
 from .. import _cio
 from ..format import METADATA_NAME
 from ..io.files import fsync_directory, write_durably
-from ..load.verify import StreamCheck
+from ..load.stream_check import StreamCheck
 from ..units import MiB
 from .layout import list_tier, parse_step_name
 
