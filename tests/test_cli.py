@@ -19,7 +19,7 @@ from conftest import load, save
 
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.progress import progress_text
-from fp_dcp.tools import bench, fio, plot
+from fp_dcp.tools import bench, bench_report, fio, plot
 from fp_dcp.tools.cli import ProgressBar, build_parser, main
 from fp_dcp.tools.inspect import human
 from fp_dcp.units import MiB
@@ -233,7 +233,7 @@ HUGE = fio.Fio(huge_page=2 * MiB)
 
 
 def fake_report(limit: fio.Fio | None = HUGE) -> dict:
-    """``bench.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
+    """``bench_report.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
     methods = bench.build_methods({}, 1, [1, 2], "unused", limit)
     for i, m in enumerate(methods):
         if m.save is None:  # a reference for loads only: run() never saves with it
@@ -245,7 +245,7 @@ def fake_report(limit: fio.Fio | None = HUGE) -> dict:
         for k, runs in enumerate(m.loaded.values()):
             runs.gbps, runs.cpu_per_gb = [2.0 + i + k], [0.1 + k]
             runs.in_flight, runs.request_kib = [20.0 + i], [1024.0 + i]
-    return bench.report(methods, 10**9, os.getcwd(), limit)
+    return bench_report.report(methods, 10**9, os.getcwd(), limit)
 
 
 def test_bench_plot_draws_the_medians(tmp_path, monkeypatch, capsys):
@@ -333,7 +333,7 @@ def test_bench_measures_against_fio_when_it_is_installed(limit, capsys):
     assert (
         r["bars"]["load (fresh targets) CPU-s/GB <= 0.15"] and not r["bars"]["load (touched targets) CPU-s/GB <= 0.15"]
     )
-    bench.print_report(r, 3)
+    bench_report.print_report(r, 3)
     out = capsys.readouterr().out
     if limit is None:
         assert "fio is not installed: dd is the only reference for the disk (apt-get install fio)" in out
@@ -390,7 +390,7 @@ def test_bench_compares_fresh_loads_with_the_slower_of_the_disk_and_the_first_to
     assert q["load_fresh_vs_first_touch"] == pytest.approx(fp / touch)
     assert q["load_fresh_vs_slower_limit"] == pytest.approx(fp / min(touch, disk))
     assert r["bars"]["load (fresh targets) >= 0.95 x min(fio, first touch)"] == (fp / min(touch, disk) >= 0.95)
-    bench.print_report(r, 3)
+    bench_report.print_report(r, 3)
     lines = capsys.readouterr().out.splitlines()
     assert not any(line.startswith(bench.MEMORY) and "fresh" not in line for line in lines)  # no save row
     assert any(line.startswith(bench.MEMORY) and line.split()[-5] == "fresh" for line in lines)
@@ -403,7 +403,7 @@ def test_bench_prints_the_disks_requests_for_saves_and_loads(capsys):
     assert (fp["save_in_flight"], fp["save_request_kib"]) == (8, 4096)
     assert (fp["loads"]["fresh"]["in_flight"], fp["loads"]["touched"]["request_kib"]) == (20, 1024)
     assert r["methods"]["dd oflag=direct"]["loads"] == {}  # no load: no read figures
-    bench.print_report(r, 3)
+    bench_report.print_report(r, 3)
     lines = capsys.readouterr().out.splitlines()
     save_header = next(line for line in lines if line.startswith("save "))
     load_header = next(line for line in lines if line.startswith("load (cold)"))
