@@ -44,6 +44,7 @@ from fp_dcp import _cio
 from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
 from fp_dcp.gpu.memory import SideStream
+from fp_dcp.gpu.route import DeviceMemory
 from fp_dcp.gpu.streaming import Staging
 
 SUCCESS = 0
@@ -182,25 +183,21 @@ class HostCrc(ModelCrc):
         return torch.from_numpy(crcs.view(np.int32))
 
 
-class CpuAsDevice(Staging):
-    """Every tensor as device memory, every landing area page-locked: the GPU code path, run on the CPU."""
+class CpuAsDeviceMemory(DeviceMemory):
+    """Every tensor as device memory, all host memory its copies use page-locked, the CRC kernel's CPU model."""
 
     crc_kernel = ModelCrc
 
-    def copies(self, tensor: torch.Tensor) -> bool:
+    def on_device(self, tensor: torch.Tensor) -> bool:
         return True
 
     def page_locks(self, device: torch.device) -> bool:
         return True
 
 
-class CpuTargetsAsDevice(DeviceLoads):
-    """Every load target as device memory, the reader's pool page-locked: the GPU load path, run on the CPU."""
+class CpuAsDevice(CpuAsDeviceMemory, Staging):
+    """A writer's staging on that route: the GPU save path, run on the CPU."""
 
-    crc_kernel = ModelCrc
 
-    def takes(self, target: torch.Tensor) -> bool:
-        return True
-
-    def page_locks(self, device: torch.device) -> bool:
-        return True
+class CpuTargetsAsDevice(CpuAsDeviceMemory, DeviceLoads):
+    """A reader's device loads on that route: the GPU load path, run on the CPU."""

@@ -26,40 +26,25 @@ import torch
 
 from .. import _cio
 from ..io.buffers import BufferPool
-from .crc import Checksummed, Checksums, DeviceCrc
+from .crc import Checksummed, Checksums
 from .memory import SideStream, page_lock
+from .route import DeviceMemory
 
 __all__ = ["DeviceLoads"]
 
 
-class DeviceLoads:
+class DeviceLoads(DeviceMemory):
     """A reader's host-to-device path: side streams, and its pool page-locked once a load has a device target.
 
-    ``takes`` decides which targets go through it (CUDA ones) and
-    ``page_locks`` for which devices the pool is page-locked; tests override
-    both to run the same code on CPU targets, and the CRC's launch to run a
-    CPU model of the kernel (``tests/cuda_double.py``).
+    Which targets go through it (``on_device``: CUDA ones) and for which
+    devices the pool is page-locked are ``DeviceMemory``'s.
     """
 
-    crc_kernel: type[DeviceCrc] = DeviceCrc
-
     def __init__(self) -> None:
+        super().__init__()
         self._streams: dict[torch.device, SideStream] = {}
         self._pending: set[SideStream] = set()  # side streams with copies queued since the last settle
         self._checks: dict[SideStream, Checksums] = {}  # what each checksums once its copies are queued
-        self._crc: DeviceCrc | None = None
-
-    def takes(self, target: torch.Tensor) -> bool:
-        """Whether ``target`` (a GPU tensor) is filled from page-locked buffers on a side stream."""
-        return target.device.type == "cuda"
-
-    def page_locks(self, device: torch.device) -> bool:
-        return device.type == "cuda"
-
-    def crc(self) -> DeviceCrc:
-        if self._crc is None:
-            self._crc = self.crc_kernel()
-        return self._crc
 
     def prepare(self, pool: BufferPool, device: torch.device) -> None:
         """Before the first copy to ``device`` out of ``pool``'s buffers: page-lock them (once per pool)."""

@@ -1,10 +1,12 @@
-"""Which tensors take the GPU path, and what runs there: shared by streaming saves and the snapshot.
+"""Which tensors take the GPU path, and what runs there: shared by saves (``DeviceRoute``) and loads.
 
-A ``DeviceRoute`` says which tensors are copied from a device (CUDA ones),
-for which devices host memory is page-locked, and holds the kernels that
-run on the device (the gather, the CRC-32C). Tests override the first two
-to run the same code on CPU tensors, and the CRC's launch to run a CPU
-model of the kernel (``tests/cuda_double.py``).
+``DeviceMemory`` says which tensors are device memory (CUDA ones), for
+which devices host memory is page-locked, and holds the CRC-32C kernel that
+checksums bytes where they are on the device; a save's ``DeviceRoute`` adds
+the gather kernel, and a reader's ``fp_dcp.gpu.loading.DeviceLoads`` its
+side streams. Tests override the first two to run the same code on CPU
+tensors, and the CRC's launch to run a CPU model of the kernel
+(``tests/cuda_double.py``).
 """
 
 from __future__ import annotations
@@ -15,31 +17,24 @@ from ..config import IOConfig
 from .crc import DeviceCrc
 from .gather import Gather
 
-__all__ = ["DeviceRoute"]
+__all__ = ["DeviceMemory", "DeviceRoute"]
 
 
-class DeviceRoute:
-    """Which tensors are device memory, which host memory is page-locked for them, and the device kernels."""
+class DeviceMemory:
+    """Which tensors are device memory, which host memory their copies page-lock, and the device CRC kernel."""
 
     crc_kernel: type[DeviceCrc] = DeviceCrc
 
-    def __init__(self, config: IOConfig) -> None:
-        self.config = config
-        self._gather: Gather | None = None
+    def __init__(self) -> None:
         self._crc: DeviceCrc | None = None
 
-    def copies(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s bytes are copied to the host by this engine (side streams, pinned memory)."""
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes cross between it and the host on side streams, through staging memory."""
         return tensor.device.type == "cuda"
 
     def page_locks(self, device: torch.device) -> bool:
-        """Whether host memory that ``device``'s copies land in is page-locked."""
+        """Whether host memory that ``device``'s copies come from or land in is page-locked."""
         return device.type == "cuda"
-
-    def gather(self) -> Gather:
-        if self._gather is None:
-            self._gather = Gather()
-        return self._gather
 
     def crc(self) -> DeviceCrc:
         if self._crc is None:
@@ -47,11 +42,25 @@ class DeviceRoute:
         return self._crc
 
     @property
-    def gather_backend(self) -> str:
-        """How small GPU tensors are coalesced here (the kernel through cupy, or plain copies, and why)."""
-        return self.gather().backend
-
-    @property
     def crc_backend(self) -> str:
         """Where GPU tensors' bytes are checksummed (the kernel through cupy, or the host, and why)."""
         return self.crc().backend
+
+
+class DeviceRoute(DeviceMemory):
+    """A save's GPU path: ``DeviceMemory`` and the gather kernel that coalesces small tensors on the device."""
+
+    def __init__(self, config: IOConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._gather: Gather | None = None
+
+    def gather(self) -> Gather:
+        if self._gather is None:
+            self._gather = Gather()
+        return self._gather
+
+    @property
+    def gather_backend(self) -> str:
+        """How small GPU tensors are coalesced here (the kernel through cupy, or plain copies, and why)."""
+        return self.gather().backend

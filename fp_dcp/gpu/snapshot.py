@@ -90,7 +90,7 @@ class Snapshot:
             cursor = align_up(cursor, PAGE if sizes[i] > small else SMALL_ALIGN)
             self.offsets[i] = cursor
             cursor += sizes[i]
-        devices = {t.device for t in tensors if self.route.copies(t)}
+        devices = {t.device for t in tensors if self.route.on_device(t)}
         self.arena = HostArea(cursor, page_locked=any(map(self.route.page_locks, devices)))
         arena = self.arena.tensor
         self.copies = [
@@ -109,7 +109,7 @@ class Snapshot:
         events = []
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
-            if not self.route.copies(t):
+            if not self.route.on_device(t):
                 self.copies[i].copy_(t)  # materializes conjugate and negative views too
             elif t.numel():
                 by_device.setdefault(t.device, []).append(i)

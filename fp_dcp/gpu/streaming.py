@@ -156,7 +156,7 @@ class StreamingCopier(DeviceCopier):
         self.devices: set[torch.device] = set()
 
     def copies(self, tensor: torch.Tensor) -> bool:
-        return self.staging.copies(tensor)
+        return self.staging.on_device(tensor)
 
     def prepare(self, pool: BufferPool, sources: Iterable[ByteSource]) -> None:
         """Before the first read of a device tensor: streams wait for the values; the pool gets page-locked.

@@ -128,7 +128,7 @@ def _prepare(
             )
         runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
         if runs or 0 in req.lengths:
-            on_device = uploads is not None and uploads.takes(target)
+            on_device = uploads is not None and uploads.on_device(target)
             item.sink = ByteSink(target, dtype, req.lengths, on_device=on_device)
             if item.sink.device is not None and uploads is not None:
                 uploads.prepare(pool, target.device)
