@@ -106,6 +106,7 @@ def cuda_double(monkeypatch) -> Iterator[CudaRuntimeDouble]:
     """fp-dcp's CUDA runtime calls go to a double; once the test's objects are gone it must have nothing to report."""
     double = CudaRuntimeDouble()
     monkeypatch.setattr(fp_dcp.io.buffers, "_allocate", double.tracking(fp_dcp.io.buffers._allocate))
+    monkeypatch.setattr(fp_dcp.io.buffers, "_spares", [])  # no buffers parked before the double watched them
     with cudart.use(double):
         yield double
     assert double.problems() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,7 +22,7 @@ from conftest import empty_like, load, save
 import fp_dcp
 from fp_dcp import IOConfig, _cio, log
 from fp_dcp.checkpoint import open_checkpoint
-from fp_dcp.io import engine, files
+from fp_dcp.io import buffers, engine, files
 from fp_dcp.io.buffers import BufferPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,3 +432,53 @@ def test_the_null_engine_stores_nothing_and_publishes_nothing(tmp_path):
         fp_dcp.SafetensorsWriter(tmp_path / "st", config=IOConfig(engine="null"))
     with pytest.raises(BaseException, match="null engine stores nothing"):  # DCP wraps it in CheckpointException
         load(empty_like(state), tmp_path / "real", config=IOConfig(engine="null"))
+
+
+def _addresses(pool: BufferPool) -> list[int]:
+    return [_cio.address(v) for v in pool.views]
+
+
+def test_a_closed_pools_buffers_serve_the_next_pool_of_its_shape():
+    """A reader made for one load and dropped leaves its warm buffers to the next one (``io.buffers``)."""
+    pool = BufferPool(3 * 4096, 3)
+    pool.views[1][:5] = b"warm!"
+    first = _addresses(pool)
+    pool.close()
+    other = BufferPool(5 * 4096, 3)  # another shape: fresh buffers, and the spare keeps waiting
+    assert not set(_addresses(other)) & set(first)
+    again = BufferPool(3 * 4096, 3)
+    assert _addresses(again) == first and bytes(again.views[1][:5]) == b"warm!"  # the same memory, as it was
+    assert len(again.free) == 3 and again.count == 3
+    third = BufferPool(3 * 4096, 3)  # the spare went to `again`: new memory
+    assert not set(_addresses(third)) & set(first)
+    for p in (other, again, third):
+        p.close()
+
+
+def test_a_dropped_pool_is_unregistered_then_parked_and_expires(monkeypatch):
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
+    undone = []
+    pool = BufferPool(7 * 4096, 2)
+    pool.before_unmap(lambda: undone.append("unregistered"))
+    del pool
+    gc.collect()  # nobody closed it: its finalizer parks the buffers, after the undo
+    assert undone == ["unregistered"]
+    (spare,) = [s for s in buffers._spares if s.size == 7 * 4096]
+    deadline = time.monotonic() + 10
+    while spare in buffers._spares and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert spare not in buffers._spares and all(m.closed for m in spare.maps)  # past the wait: unmapped
+
+
+def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkeypatch):
+    pool = BufferPool(11 * 4096, 1)
+    held = pool.views[0][:4]  # a slice someone kept
+    held[:] = b"mine"
+    pool.close()
+    assert not [s for s in buffers._spares if s.size == 11 * 4096]
+    assert bytes(held) == b"mine"  # its memory stays the slice's
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 0)
+    pool = BufferPool(13 * 4096, 1)
+    maps = list(pool.maps)
+    pool.close()
+    assert all(m.closed for m in maps) and not [s for s in buffers._spares if s.size == 13 * 4096]

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import empty_like, load, same_bytes
 from cuda_double import ALREADY_REGISTERED, INVALID_VALUE, MEMORY_ALLOCATION, NOT_REGISTERED, CpuAsDevice
 
+import fp_dcp.io.buffers
 import fp_dcp.log
 import fp_dcp.save.resources
 from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, _cio, compat
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.gpu
 SMALL_POOL = IOConfig(buffer_size=64 * 1024, num_buffers=3, block_size=16 * 1024, staging_chunk=16 * 1024)
 
 
-def test_the_double_keeps_the_runtimes_rules(cuda_double):
+def test_the_double_keeps_the_runtimes_rules(cuda_double, monkeypatch):
+    monkeypatch.setattr(fp_dcp.io.buffers, "SPARE_SECONDS", 0)  # closed buffers are unmapped at once
     rt = cuda_double
     pool = BufferPool(8192, 2)
     first, second = (_cio.address(v) for v in pool.views)
