@@ -455,19 +455,23 @@ def test_a_closed_pools_buffers_serve_the_next_pool_of_its_shape():
         p.close()
 
 
-def test_a_dropped_pool_is_unregistered_then_parked_and_expires(monkeypatch):
+def test_a_dropped_pool_is_parked_and_expires_and_a_registered_one_is_not_parked(monkeypatch):
     monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
-    undone = []
+    gc.collect()  # no other pool's finalizer runs below: one set waits, the newest
     pool = BufferPool(7 * 4096, 2)
-    pool.before_unmap(lambda: undone.append("unregistered"))
-    del pool
-    gc.collect()  # nobody closed it: its finalizer parks the buffers, after the undo
-    assert undone == ["unregistered"]
+    del pool  # nobody closed it: its finalizer parks the buffers
     (spare,) = [s for s in buffers._spares if s.size == 7 * 4096]
     deadline = time.monotonic() + 10
     while spare in buffers._spares and time.monotonic() < deadline:
         time.sleep(0.05)
     assert spare not in buffers._spares and all(m.closed for m in spare.maps)  # past the wait: unmapped
+    undone = []
+    pool = BufferPool(9 * 4096, 2)
+    pool.before_unmap(lambda: undone.append("unregistered"))
+    maps = list(pool.maps)
+    pool.close()
+    assert undone == ["unregistered"] and all(m.closed for m in maps)  # registered once: unmapped, not parked
+    assert not [s for s in buffers._spares if s.size == 9 * 4096]
 
 
 def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkeypatch):

@@ -18,7 +18,8 @@ wait ``SPARE_SECONDS`` for the next pool of the same shape, which takes
 them as they are instead of faulting in fresh memory: a reader made anew for
 each load, as the README's example makes one, then starts with warm
 buffers (128 MiB: 15 ms instead of 57-240 ms of CPU here). One set waits
-at a time; past the wait it is unmapped.
+at a time; past the wait it is unmapped. Buffers something registered
+(page-locked for GPU copies) are unmapped as before.
 
 Whoever registers the buffers somewhere that outlives a mapping (CUDA's
 page-locking) says how to undo it with ``before_unmap``: the pool runs that
@@ -151,7 +152,9 @@ def _unshared(m: mmap.mmap) -> bool:
 def _retire(
     size: int, maps: list[mmap.mmap], views: list[memoryview], undo: list[Callable[[], None]], asked: bool
 ) -> None:
-    """Undo the registrations, then park the buffers as the one spare set; unmap them where that cannot be."""
+    """Park the buffers as the one spare set; unmap them where that cannot be, and where anything registered them
+    (CUDA's page-locking: undone first, and the next user would register them anew)."""
+    registered = bool(undo)
     for call in undo:
         call()
     undo.clear()
@@ -165,7 +168,7 @@ def _retire(
     spare = _Spare(size, list(maps), asked)
     views.clear()
     maps.clear()
-    if not exported and SPARE_SECONDS > 0:
+    if not exported and not registered and SPARE_SECONDS > 0:
         _spares.append(spare)
         while len(_spares) > 1:  # one set waits: the newest
             with contextlib.suppress(IndexError):
