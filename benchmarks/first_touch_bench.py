@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import resource
 import sys
 import time
 
 from fp_dcp import IOConfig
 from fp_dcp.io.prefault import Prefaulter, populate_supported
+from fp_dcp.tools.bench import faulted_in
+from fp_dcp.tools.workload import cpu_seconds
 from fp_dcp.units import MiB
 
 GiB = 1024 * MiB
@@ -31,16 +32,9 @@ GiB = 1024 * MiB
 
 def fault_in(nbytes: int, prefaulter: Prefaulter) -> tuple[mmap.mmap, float, float]:
     """A fresh mapping of ``nbytes``, faulted in: the mapping (still held), seconds, CPU seconds (all threads)."""
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.perf_counter()
-    view = memoryview(memory)
-    prefaulter.prepare(view).wait(nbytes)
-    view.release()
-    seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime
-    return memory, seconds, cpu
+    cpu, start = cpu_seconds(), time.perf_counter()
+    memory = faulted_in(nbytes, prefaulter)
+    return memory, time.perf_counter() - start, cpu_seconds() - cpu
 
 
 def main() -> int:

@@ -189,21 +189,28 @@ def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: st
     return methods
 
 
+def faulted_in(size: int, prefaulter: Prefaulter) -> mmap.mmap:
+    """A fresh anonymous mapping of ``size`` bytes, faulted in as a load's prefaulter faults in its targets."""
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(memory)
+    try:
+        prefaulter.prepare(view).wait(size)
+    finally:
+        view.release()
+    return memory
+
+
 def first_touch(size: int) -> Callable[[str], None]:
     """Fault in ``size`` bytes of fresh anonymous memory as a load's prefaulter faults in its targets (the same
     threads, the same huge-page choice), then unmap them."""
     threads = IOConfig().threads()
 
     def touch(path: str) -> None:
-        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(memory)
         prefaulter = Prefaulter(threads)
         try:
-            prefaulter.prepare(view).wait(size)
+            faulted_in(size, prefaulter).close()
         finally:
             prefaulter.close()
-            view.release()
-            memory.close()
 
     return touch
 
