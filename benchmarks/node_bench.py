@@ -196,8 +196,11 @@ def warm_up(saved: dict, writer: FastPersistWriter, path: str) -> None:
     dcp.load({"model": {name: torch.empty_like(small)}}, storage_reader=FastPersistReader(path))
 
 
-def save_and_load(rank: int, world: int, shapes: dict, dirs: list[str], device: str, optimizer: bool) -> dict:
-    """A rank's part: save its shard, drop the page cache, load into fresh targets, compare with what it saved."""
+def save_and_load(
+    rank: int, world: int, shapes: dict, dirs: list[str], device: str, optimizer: bool, touch_too: bool
+) -> dict:
+    """A rank's part: save its shard, drop the page cache, load into fresh targets, compare with what it saved;
+    ``touch_too``: then time the first touch of as many fresh bytes."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if device == "cuda":
@@ -221,7 +224,7 @@ def save_and_load(rank: int, world: int, shapes: dict, dirs: list[str], device: 
     load = timed(device, lambda: dcp.load(fresh, storage_reader=reader))
     # host targets' other limit, the memory's: as many bytes faulted in, the way the load's helpers do it, while
     # the targets are still held (so it cannot be handed their pages)
-    touch = timed(device, lambda: first_touch(tensor_bytes(saved))("")) if device == "cpu" else None
+    touch = timed(device, lambda: first_touch(tensor_bytes(saved))("")) if touch_too else None
     wrong = [n for n, same in equal_leaves(saved, fresh) if not same]
     return {"bytes": tensor_bytes(saved), "save": save, "load": load, "touch": touch, "wrong": wrong[:3]}
 
@@ -275,9 +278,10 @@ def one_round(dirs: list[str], args: argparse.Namespace, shapes: dict, fio: Jobs
     """N ranks, one rank alone, fio: each phase's figures on one target."""
     work = [tempfile.mkdtemp(prefix="fp-dcp-node-", dir=d) for d in dirs]
     try:
-        ranks = spawn(args.ranks, save_and_load, shapes, work, args.device, args.optimizer)
+        host = args.device == "cpu"  # host targets: the memory's first touch is a limit of their loads
+        ranks = spawn(args.ranks, save_and_load, shapes, work, args.device, args.optimizer, host)
         clear(work)
-        one = spawn(1, save_and_load, share_of(shapes, args.ranks), work, args.device, args.optimizer)[0]
+        one = spawn(1, save_and_load, share_of(shapes, args.ranks), work, args.device, args.optimizer, False)[0]
         clear(work)
         for who, r in [*enumerate(ranks), ("alone", one)]:
             if r["wrong"]:
@@ -296,7 +300,7 @@ def one_round(dirs: list[str], args: argparse.Namespace, shapes: dict, fio: Jobs
             result["fio_direct"] = direct.direct
             for phase, figures in fio_phases(direct, work, total).items():
                 result[phase] |= figures
-        if args.device == "cpu":
+        if host:
             result["load"]["first_touch"] = total / max(r["touch"][0] for r in ranks) / GB
     finally:
         for w in work:
