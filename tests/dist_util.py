@@ -2,16 +2,20 @@
 
 Each test gets its own FileStore rendezvous (no TCP port to clash on), every
 rank's result or error comes back to the test, and a rank that hangs fails
-the test after ``timeout`` seconds instead of hanging CI.
+the test after ``timeout`` seconds instead of hanging CI, having first
+printed every thread's stack to the test's captured stderr (faulthandler),
+so that a hang seen once in CI says where it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -32,8 +36,12 @@ class RankError(Exception):
         self.message = message
 
 
-def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _entry(
+    rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, results: Any, stacks_after: float | None
+) -> None:
     warnings.filterwarnings("ignore")
+    if stacks_after is not None:
+        faulthandler.dump_traceback_later(stacks_after)
     torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -43,17 +51,30 @@ def _entry(rank: int, world: int, store: str, fn: Callable[..., Any], args: tupl
     except BaseException as e:  # CheckpointException is a BaseException
         results.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
     finally:
+        # The outcome leaves before the group is torn down. torch 2.7's gloo group holds the GIL in its
+        # destructor while it waits for its worker threads (pytorch#154976 releases it), and a worker that
+        # needs the GIL then never ends, with this rank's outcome still in the queue's feeder thread,
+        # which needs the GIL too (3 runs in 57 of test_2d_mesh_4_ranks_to_1d_2_ranks here).
+        results.close()
+        results.join_thread()
         dist.destroy_process_group()
 
 
 class SpawnedRanks:
-    """``world`` ranks started on ``fn``: their process ids (for signals), then their outcomes."""
+    """``world`` ranks started on ``fn``: their process ids (for signals), then their outcomes.
 
-    def __init__(self, world: int, fn: Callable[..., Any], args: tuple, store: str) -> None:
+    ``stacks_after``: seconds after which a rank still running prints all its threads' stacks (once)."""
+
+    def __init__(
+        self, world: int, fn: Callable[..., Any], args: tuple, store: str, stacks_after: float | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self._results = ctx.Queue()
-        self.procs = [ctx.Process(target=_entry, args=(r, world, store, fn, args, self._results)) for r in range(world)]
+        self.procs = [
+            ctx.Process(target=_entry, args=(r, world, store, fn, args, self._results, stacks_after))
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 
@@ -62,25 +83,37 @@ class SpawnedRanks:
         return [p.pid for p in self.procs if p.pid is not None]
 
     def outcomes(self, timeout: float) -> list[tuple[bool, Any]]:
-        """Per rank (True, result) or (False, (type, message, trace)); TimeoutError if one is silent ``timeout`` s."""
+        """Per rank (True, result) or (False, (type, message, trace)); TimeoutError if one is silent ``timeout`` s,
+        RankError at once for a rank that ended without an outcome (it died, or failed to start)."""
         got: dict[int, tuple[bool, Any]] = {}
+        silent_since = time.monotonic()
         while len(got) < self.world:
+            missing = sorted(set(range(self.world)) - set(got))
+            # A rank's outcome is in the pipe before it ends: one that had ended before this wait sent none.
+            ended = [r for r in missing if self.procs[r].exitcode is not None]
             try:
-                rank, ok, value = self._results.get(timeout=timeout)
+                rank, ok, value = self._results.get(timeout=1)
             except queue.Empty:
-                missing = sorted(set(range(self.world)) - set(got))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout} s (hang?)") from None
+                if ended:
+                    code = self.procs[ended[0]].exitcode
+                    raise RankError(ended[0], "exit", f"ended with code {code} and no outcome", "") from None
+                if time.monotonic() - silent_since >= timeout:
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s (hang?)") from None
+                continue
             got[rank] = (ok, pickle.loads(value) if ok else value)
+            silent_since = time.monotonic()
         for p in self.procs:
             p.join(timeout=30)
         return [got[rank] for rank in range(self.world)]
 
 
 @contextlib.contextmanager
-def spawned_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Iterator[SpawnedRanks]:
+def spawned_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, stacks_after: float | None = None
+) -> Iterator[SpawnedRanks]:
     """``fn(rank, world, *args)`` started on ``world`` ranks; any still running when the block ends are killed."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"))
+        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"), stacks_after)
         try:
             yield ranks
         finally:
@@ -91,7 +124,8 @@ def spawned_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Iterator[Sp
 
 def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[tuple[bool, Any]]:
     """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
-    with spawned_ranks(world, fn, *args) as ranks:
+    # The stacks come a little before the deadline: the ranks are then still there to print them.
+    with spawned_ranks(world, fn, *args, stacks_after=max(timeout - 10, 1)) as ranks:
         return ranks.outcomes(timeout)
 
 

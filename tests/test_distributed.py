@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -245,6 +246,28 @@ def test_rank_error_helper_reports_the_failing_rank():
 def _boom_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("boom")
+
+
+def test_a_hanging_rank_fails_the_test_and_prints_where_it_hung(capfd):
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 12 s"):
+        run_ranks(1, _hang_in_a_named_place, timeout=12)
+    assert "_hang_in_a_named_place" in capfd.readouterr().err  # the rank's stack, printed before it was killed
+
+
+def _hang_in_a_named_place(rank: int, world: int) -> None:
+    time.sleep(120)
+
+
+def test_a_rank_that_dies_fails_the_test_at_once():
+    # at once: before rank 0 wakes, and not as a timeout
+    with pytest.raises(RankError, match="rank 1 raised exit: ended with code 3 and no outcome"):
+        run_ranks(2, _die_on_rank_1)
+
+
+def _die_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    time.sleep(120)
 
 
 def _empty_on_one_rank(rank: int, world: int, path: str, engine: str, direct: bool) -> list[str]:
