@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -472,6 +473,25 @@ def test_a_dropped_pool_is_parked_and_expires_and_a_registered_one_is_not_parked
     pool.close()
     assert undone == ["unregistered"] and all(m.closed for m in maps)  # registered once: unmapped, not parked
     assert not [s for s in buffers._spares if s.size == 9 * 4096]
+
+
+def test_a_pools_finalizer_starts_no_thread(monkeypatch):
+    """The garbage collector runs it anywhere, also inside threading's locked sections, where starting a
+    thread deadlocks: the wait is kept by one thread started with the pools, and the finalizer only parks."""
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
+    pool = BufferPool(15 * 4096, 1)
+    (reaper,) = [t for t in threading.enumerate() if t.name == "fp-dcp-spare-buffers"]
+
+    def no_thread(self):
+        raise AssertionError(f"a pool's finalizer started a thread ({self.name})")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    del pool
+    (spare,) = [s for s in buffers._spares if s.size == 15 * 4096]
+    deadline = time.monotonic() + 10
+    while spare in buffers._spares and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(m.closed for m in spare.maps) and reaper.is_alive()  # the one thread unmapped it, and waits on
 
 
 def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkeypatch):

@@ -18,7 +18,7 @@ wait ``SPARE_SECONDS`` for the next pool of the same shape, which takes
 them as they are instead of faulting in fresh memory: a reader made anew for
 each load, as the README's example makes one, then starts with warm
 buffers (128 MiB: 15 ms instead of 57-240 ms of CPU here). One set waits
-at a time; past the wait it is unmapped. Buffers something registered
+at a time; past the wait one daemon thread a process unmaps it. Buffers something registered
 (page-locked for GPU copies) are unmapped as before.
 
 Whoever registers the buffers somewhere that outlives a mapping (CUDA's
@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -79,6 +81,7 @@ class BufferPool:
 
     def __init__(self, size: int, count: int) -> None:
         self.size = size
+        _start_reaper()
         spare = _take_spare(size, count)
         if spare is not None:
             self.maps, asked = spare.maps, spare.asked
@@ -117,9 +120,14 @@ class _Spare:
         self.size, self.maps, self.asked = size, maps, asked  # asked: whether huge pages were asked for
 
 
-# No lock: a pool's finalizer runs wherever the garbage collector does, also in a thread holding one. A list's
-# append, pop and remove are atomic.
+# A pool's finalizer runs wherever the garbage collector does: in any thread, at any allocation, also inside
+# threading's own locked sections. So it takes no lock and starts no thread: it appends to `_spares` (a list's
+# append, pop and remove are atomic) and hands the set's deadline to the reaper through a SimpleQueue, whose
+# put is documented as safe in finalizers. The reaper is started by the pools themselves, in plain code.
 _spares: list[_Spare] = []
+_deadlines: queue.SimpleQueue[tuple[float, _Spare]] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()  # taken by pools being made (plain code), never by a finalizer
 
 
 def _take_spare(size: int, count: int) -> _Spare | None:
@@ -133,9 +141,31 @@ def _take_spare(size: int, count: int) -> _Spare | None:
 
 def _expire(spare: _Spare) -> None:
     with contextlib.suppress(ValueError):
-        _spares.remove(spare)
+        _spares.remove(spare)  # raises where a pool took it meanwhile: then it owns the buffers
         for m in spare.maps:
-            m.close()
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+def _reap() -> None:
+    """Unmap each parked set at its deadline, unless a pool took it first (one thread a process, idle between)."""
+    waiting: list[tuple[float, _Spare]] = []
+    while True:
+        timeout = max(min(d for d, _ in waiting) - time.monotonic(), 0) if waiting else None
+        with contextlib.suppress(queue.Empty):
+            waiting.append(_deadlines.get(timeout=timeout))
+        now = time.monotonic()
+        for item in [w for w in waiting if w[0] <= now]:
+            waiting.remove(item)
+            _expire(item[1])
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None or not _reaper.is_alive():  # not alive: none yet, or a child after fork
+            _reaper = threading.Thread(target=_reap, name="fp-dcp-spare-buffers", daemon=True)
+            _reaper.start()
 
 
 def _unshared(m: mmap.mmap) -> bool:
@@ -170,19 +200,11 @@ def _retire(
     maps.clear()
     if not exported and not registered and SPARE_SECONDS > 0:
         _spares.append(spare)
+        _deadlines.put((time.monotonic() + SPARE_SECONDS, spare))
         while len(_spares) > 1:  # one set waits: the newest
             with contextlib.suppress(IndexError):
                 _expire(_spares[0])
-        timer = threading.Timer(SPARE_SECONDS, _expire, (spare,))
-        timer.daemon = True
-        try:
-            timer.start()
-            return
-        except RuntimeError:  # no new thread (the interpreter is shutting down): unmap now
-            try:
-                _spares.remove(spare)
-            except ValueError:
-                return  # taken meanwhile: its new pool owns the buffers
+        return
     for m in spare.maps:
         with contextlib.suppress(BufferError):
             m.close()
