@@ -138,26 +138,36 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
 
 
 def _open_metadata(directory: str) -> BinaryIO:
-    """``directory``'s ``.metadata``, open for reading; NotACheckpointError unless it is a regular file.
-
-    Opened without blocking, so that a FIFO there does not wait for a writer (or a device stream forever).
-    """
-    path = os.path.join(directory, METADATA_NAME)
+    """``directory``'s ``.metadata``, open for reading; NotACheckpointError unless it is a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return _open_regular(directory, METADATA_NAME)
     except FileNotFoundError:
         raise NotACheckpointError(
             f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
         ) from None
+    except _NotRegularError as e:
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is {e}") from None
+
+
+class _NotRegularError(Exception):
+    """A file of a checkpoint is something else; the message says what ("a socket", "a directory", ...)."""
+
+
+def _open_regular(directory: str, name: str) -> BinaryIO:
+    """``directory``'s file ``name``, open for reading; _NotRegularError unless it is a regular file.
+
+    Opened without blocking, so that a FIFO there does not wait for a writer (or a device stream forever).
+    """
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         if e.errno != errno.ENXIO:  # ENXIO: a socket
             raise
-        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is a socket") from None
+        raise _NotRegularError("a socket") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is {kind}")
+        raise _NotRegularError("a directory" if stat.S_ISDIR(mode) else "not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -365,10 +375,12 @@ def node_of(directory: str) -> str | None:
     other nodes' roots or the durable root, and the copy is partial, not damaged.
     """
     try:
-        with open(os.path.join(directory, NODE_MARKER), "rb") as f:
+        with _open_regular(directory, NODE_MARKER) as f:
             return f.read().decode("utf-8", errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except _NotRegularError as e:
+        raise CorruptCheckpointError(f"{directory}: its {NODE_MARKER} (the node whose copy it is) is {e}") from None
 
 
 def published_files(directory: str) -> set[str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import shutil
+import threading
 
 import pytest
 import torch
@@ -246,6 +248,27 @@ def test_a_nodes_copy_lacking_other_nodes_files_is_partial_and_what_it_holds_is_
     files[1].write_bytes(bytes(damaged[:4096]))  # a file of this node's cut short: damage, not partial
     report = verify_checkpoint(three_files)
     assert any(f"{files[1].name} is truncated" in p for p in report.problems), report.problems
+
+
+def test_a_node_marker_that_is_a_fifo_is_named_not_waited_on(three_files):
+    from fp_dcp.training.steps import inspect_step
+
+    os.mkfifo(three_files / ".node")
+    outcome: list = []
+    checks = threading.Thread(
+        target=lambda: outcome.extend([verify_checkpoint(three_files), inspect_step(1, str(three_files), False)]),
+        daemon=True,
+    )
+    checks.start()
+    checks.join(20)
+    if checks.is_alive():  # opened for reading, a FIFO waits for a writer: let it go
+        os.close(os.open(three_files / ".node", os.O_WRONLY | os.O_NONBLOCK))
+    assert not checks.is_alive(), "verify waited on the FIFO"
+    report, info = outcome
+    assert not report.ok and report.problems == [
+        f"{three_files}: its .node (the node whose copy it is) is not a regular file"
+    ]
+    assert info.status == "corrupt" and info.problem == report.problems[0]
 
 
 @pytest.mark.skipif(not HASHING, reason="fp_dcp._cio was built without libxxhash")
