@@ -41,26 +41,19 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import IOConfig
-from ..errors import (
-    CheckpointBusyError,
-    CheckpointError,
-    CorruptCheckpointError,
-    DurableStorageError,
-    NotACheckpointError,
-)
+from ..errors import CheckpointBusyError, DurableStorageError
 from ..gpu.stager import Mode
-from ..load.reader import FastPersistReader
-from ..log import log
+from ..net.group import Group
 from ..save.commit import SaveLock
 from ..save.writer import FastPersistWriter
 from ..tiers import DurableStore, Tiers
 from .overlap import OverlappedCheckpointer
 from .preemption import Preemption, PreemptionSave
+from .resume import Resume
 from .retention import Retention, finish_deletions, user_of
-from .steps import StepInfo, inspect_step, list_steps, step_directories, step_directory
+from .steps import StepInfo, list_steps, step_directory
 
 __all__ = ["CheckpointManager", "StepInfo", "list_steps", "step_directory"]
 
@@ -77,13 +70,6 @@ def _step_number(step: int) -> int:
     if number < 0 or isinstance(step, bool):
         raise ValueError(f"a step must be an int of 0 or more (its directory is step-N), got {step!r}")
     return number
-
-
-def _damaged(error: BaseException) -> bool:
-    """Whether a failed load failed on the checkpoint's bytes (on every rank that failed)."""
-    if isinstance(error, CheckpointException):
-        return all(_damaged(failure[0]) for failure in error.failures.values())
-    return isinstance(error, (CorruptCheckpointError, NotACheckpointError))
 
 
 class CheckpointManager:
@@ -189,6 +175,7 @@ class CheckpointManager:
         self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
         self.asynchronous, self.verify, self.incremental = asynchronous, verify, incremental
         self.process_group = process_group
+        self._group = Group(process_group)
         self.writer = FastPersistWriter(data_dirs=data_dirs, config=config, mode=mode, incremental=incremental)
         self.data_dirs = data_dirs
         self.config = config
@@ -243,7 +230,7 @@ class CheckpointManager:
             except BaseException:
                 self.close()
                 raise
-        self._barrier()
+        self._group.barrier()
 
     # ------------------------------------------------------------------ saving
 
@@ -363,70 +350,15 @@ class CheckpointManager:
         to load is skipped with a warning naming why, and the next older one
         is tried. Loads reshard to the current world size as ``dcp.load`` does.
         """
-        if self.tiers is not None:
-            return self._restore_tiers(state)
-        tried: set[int] = set()
-        while True:
-            step = self._agree(self._newest_intact(exclude=tried) if self.is_coordinator else None)
-            if step is None:
-                return None
-            tried.add(step)
-            if self._load(state, step):
-                self._last_step = step
-                return step
-
-    def _load(self, state: StateDict, step: int) -> bool:
-        """Load ``step`` into ``state``: False if its bytes are damaged (an older step may do)."""
-        try:
-            dcp.load(
-                state,
-                checkpoint_id=step_directory(self.root, step),
-                storage_reader=FastPersistReader(data_dirs=self.data_dirs, config=self.config),
-                process_group=self.process_group,
-            )
-        except (CheckpointException, CheckpointError) as e:
-            if not _damaged(e):
-                raise  # the state asked for something the step does not hold: not for an older step to fix
-            log.warning("fp-dcp: step %d of %s did not load: %s", step, self.root, e)
-            return False
-        return True
-
-    def _restore_tiers(self, state: StateDict) -> int | None:
-        """``restore`` across tiers: each node fetches what it lacks, then loads from its own root."""
-        assert self.tiers is not None
-        tried: set[int] = set()
-        verify = self.verify
-        while True:
-            fetched = self.tiers.restore(state, exclude=tried, verify=verify)
-            if fetched is None:
-                return None
-            if self._load(state, fetched.step):
-                if self.tiers.is_leader:
-                    log.warning(
-                        "fp-dcp: restored step %d on node %s: %s", fetched.step, self.tiers.node, fetched.describe()
-                    )
-                self._last_step = fetched.step
-                return fetched.step
-            if verify:
-                tried.add(fetched.step)  # every copy was checked and still it fails: an older step
-            verify = True  # a copy a node held is damaged: check them all, and fetch the damaged ones again
+        resume = Resume(self.root, self._group, self.tiers, self.verify, self.data_dirs, self.config)
+        step = resume.load(state)
+        if step is not None:
+            self._last_step = step
+        return step
 
     def steps(self, *, verify: bool = False) -> list[StepInfo]:
         """The root's steps, oldest first (``list_steps``)."""
         return list_steps(self.root, verify=verify)
-
-    def _newest_intact(self, exclude: set[int]) -> int | None:
-        # Newest first, each step checked only when reached: with verify=True a check reads the whole step.
-        for step, path in reversed(step_directories(self.root)):
-            if step in exclude:
-                continue
-            info = inspect_step(step, path, self.verify)
-            if info.status in ("complete", "verified"):
-                return info.step
-            if info.status == "retired":
-                continue  # not a checkpoint by design: nothing to warn about
-            log.warning("fp-dcp: skipping step %d of %s (%s): %s", info.step, self.root, info.status, info.problem)
-        return None
 
     def _prune(self) -> None:
         """Apply retention to this node's root (one rank per node), sparing steps still being copied."""
@@ -438,25 +370,11 @@ class CheckpointManager:
         """Whether this rank prunes and locks the root: the coordinator, or with tiers each node's leader."""
         return self.tiers.is_leader if self.tiers is not None else self.is_coordinator
 
-    # ------------------------------------------------------------ collectives
-
     @property
     def is_coordinator(self) -> bool:
-        return not self._distributed() or dist.get_rank(self.process_group) == 0
-
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    def _barrier(self) -> None:
-        if self._distributed():
-            dist.barrier(self.process_group)
+        """Whether this rank coordinates: rank 0 of ``process_group`` (or no job of several ranks)."""
+        return self._group.rank == 0
 
     def _agree(self, choice: T) -> T:
         """The coordinator's choice, on every rank."""
-        if not self._distributed():
-            return choice
-        box = [choice]
-        group = self.process_group
-        coordinator = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(box, src=coordinator, group=group)
-        return box[0]
+        return self._group.broadcast(choice)
