@@ -377,10 +377,8 @@ def node_of(directory: str) -> str | None:
     try:
         with _open_regular(directory, NODE_MARKER) as f:
             return f.read().decode("utf-8", errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, _NotRegularError):  # only a regular file marks a copy (format.md)
         return None
-    except _NotRegularError as e:
-        raise CorruptCheckpointError(f"{directory}: its {NODE_MARKER} (the node whose copy it is) is {e}") from None
 
 
 def published_files(directory: str) -> set[str]:

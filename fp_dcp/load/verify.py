@@ -141,11 +141,7 @@ def verify_checkpoint(
     problems = _undescribed(checkpoint.metadata, catalog) + _nesting(checkpoint.metadata)
     by_file = items_by_file(checkpoint)
     problems += _file_problems(checkpoint, by_file)
-    try:
-        absent, partial = _absent_from_node(checkpoint)
-    except CorruptCheckpointError as e:  # a .node that is no file to read
-        problems.append(str(e))
-        absent, partial = set(), ""
+    absent, partial = _absent_from_node(checkpoint)
     present = {name: items for name, items in by_file.items() if name not in absent}
 
     tracker = Progress("verify", sum(catalog.file_sizes[name] for name in present), callback=progress)

@@ -111,10 +111,7 @@ def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
     leftovers = tuple(sorted(set(_data_files(path)) - set(checkpoint.files)))
     info = StepInfo(step, path, "complete", size, published, "", written, references, copies, leftovers)
     absent = [name for name, n in sizes.items() if n < 0]
-    try:
-        node = node_of(path)
-    except CheckpointError as e:
-        return dataclasses.replace(info, status="corrupt", problem=str(e))
+    node = node_of(path)
     partial = bool(absent) and node is not None
     for name, n in sizes.items():
         if n < checkpoint.file_sizes.get(name, 0) and not (partial and n < 0):
