@@ -18,8 +18,8 @@ wait ``SPARE_SECONDS`` for the next pool of the same shape, which takes
 them as they are instead of faulting in fresh memory: a reader made anew for
 each load, as the README's example makes one, then starts with warm
 buffers (128 MiB: 15 ms instead of 57-240 ms of CPU here). One set waits
-at a time; past the wait one daemon thread a process unmaps it. Buffers something registered
-(page-locked for GPU copies) are unmapped as before.
+at a time; past the wait one daemon thread a process unmaps it. Buffers
+something registered (page-locked for GPU copies) are unmapped as before.
 
 Whoever registers the buffers somewhere that outlives a mapping (CUDA's
 page-locking) says how to undo it with ``before_unmap``: the pool runs that
