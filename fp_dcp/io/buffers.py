@@ -139,12 +139,16 @@ def _take_spare(size: int, count: int) -> _Spare | None:
     return None
 
 
+def _unmap(maps: list[mmap.mmap]) -> None:
+    for m in maps:
+        with contextlib.suppress(BufferError):  # one still exported goes with its last reference
+            m.close()
+
+
 def _expire(spare: _Spare) -> None:
     with contextlib.suppress(ValueError):
         _spares.remove(spare)  # raises where a pool took it meanwhile: then it owns the buffers
-        for m in spare.maps:
-            with contextlib.suppress(BufferError):
-                m.close()
+        _unmap(spare.maps)
 
 
 def _reap() -> None:
@@ -205,6 +209,4 @@ def _retire(
             with contextlib.suppress(IndexError):
                 _expire(_spares[0])
         return
-    for m in spare.maps:
-        with contextlib.suppress(BufferError):
-            m.close()
+    _unmap(spare.maps)
