@@ -278,8 +278,11 @@ def test_advise_huge_names_only_untouched_blocks_and_populate_touches_them():
     else:
         assert runs == [(start, 3 * huge), (start + 4 * huge, (blocks - 4) * huge)]
     before = bytes(view[start + 3 * huge : start + 3 * huge + 32])
-    _cio.populate(view)
+    faulted = _cio.populate(view)
     assert bytes(view[start + 3 * huge : start + 3 * huge + 32]) == before  # populating changes no byte
+    # every page but those the write above brought in (one, or a whole huge page)
+    assert len(m) - huge <= faulted <= len(m) - mmap.PAGESIZE
+    assert _cio.populate(view) == 0  # pages already there are not walked again
     assert _cio.advise_huge(view) == []  # every block holds pages now
     assert _cio.advise_huge(view[:4096]) == []  # less than a whole aligned block: nothing to ask for
     view.release()
