@@ -21,6 +21,8 @@ TIMEOUT_S = 900  # the longest wait for the next rank's result
 def _entry(rank: int, world: int, init: str, fn: Any, args: tuple, out: Any) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    # as torchrun sets them for ranks on one node: fp-dcp's host threads share the cores among the ranks
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         out.put((rank, pickle.dumps(fn(rank, world, *args))))
@@ -32,7 +34,8 @@ def spawn(world: int, fn: Any, *args: Any, tcp: bool = False) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results in rank order.
 
     The ranks meet through a file, or with ``tcp`` through a TCPStore on
-    127.0.0.1, as ``torchrun`` makes one. A rank that dies ends the others at
+    127.0.0.1, as ``torchrun`` makes one; each has ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` set, as torchrun sets them for one node. A rank that dies ends the others at
     once (they would wait for it in a collective until gloo's timeout) and
     raises ``RuntimeError``.
     """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from node_bench import Jobs, share_of
+from node_bench import Jobs, recycle, share_of
 
 from fp_dcp.units import MiB
 
@@ -41,3 +41,9 @@ def test_fio_allocates_files_off_its_clock_only_where_asked():
     """On tmpfs a layout's fallocate allocates every page, off fio's clock: node_bench turns it off there."""
     assert not any(a.startswith("--fallocate") for a in Jobs(jobs=2).args("d", "write", MiB))
     assert "--fallocate=none" in Jobs(jobs=2, direct=False, allocate_first=False).args("d", "write", MiB)
+
+
+def test_recycling_a_target_leaves_it_as_it_was(tmp_path):
+    (tmp_path / "kept").write_bytes(b"x")
+    recycle(str(tmp_path), 3 * MiB, "recycled.1")
+    assert os.listdir(tmp_path) == ["kept"]
