@@ -80,7 +80,7 @@ from ranks import spawn
 from torch.distributed.tensor import DTensor
 
 from fp_dcp import FastPersistReader, FastPersistWriter, engine_info
-from fp_dcp.io.device import disk_of
+from fp_dcp.io.device import disk_of, filesystem_of
 from fp_dcp.tools.bench import cpu_seconds, evict, first_touch
 from fp_dcp.tools.fio import BLOCK, DEPTH, Fio, reference
 
@@ -256,20 +256,9 @@ def save_and_load(
 # ------------------------------------------------------------------------------------------------- a target
 
 
-def filesystem(directory: str) -> str:
-    """The type of the filesystem holding ``directory``: its mount point's, the longest above it."""
-    real, best, kind = os.path.realpath(directory), "", "unknown"
-    with open("/proc/mounts") as f:
-        for line in f:
-            point, fs = line.split()[1:3]
-            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-                best, kind = point, fs
-    return kind
-
-
 def label(dirs: list[str]) -> str:
     disk = disk_of(dirs[0])
-    return filesystem(dirs[0]) + (f" ({disk})" if disk else "") + (f" x{len(dirs)} dirs" if len(dirs) > 1 else "")
+    return filesystem_of(dirs[0]) + (f" ({disk})" if disk else "") + (f" x{len(dirs)} dirs" if len(dirs) > 1 else "")
 
 
 def fio_phases(fio: Jobs, work: list[str], total: int, tmpfs: bool) -> dict[str, dict[str, float]]:
@@ -307,7 +296,7 @@ def one_round(dirs: list[str], args: argparse.Namespace, shapes: dict, fio: Jobs
     work = [tempfile.mkdtemp(prefix="fp-dcp-node-", dir=d) for d in dirs]
     try:
         host = args.device == "cpu"  # host targets: the memory's first touch is a limit of their loads
-        tmpfs = filesystem(work[0]) == "tmpfs"
+        tmpfs = filesystem_of(work[0]) == "tmpfs"
         ranks = spawn(args.ranks, save_and_load, shapes, work, args.device, args.optimizer, host, tmpfs)
         clear(work)
         one = spawn(1, save_and_load, share_of(shapes, args.ranks), work, args.device, args.optimizer, False, tmpfs)[0]
@@ -445,7 +434,7 @@ def main() -> None:
                 "label": label(dirs),
                 "directories": len(dirs),
                 "cold": "warm, from memory (tmpfs)"
-                if filesystem(dirs[0]) in ("tmpfs", "ramfs")
+                if filesystem_of(dirs[0]) in ("tmpfs", "ramfs")
                 else ("cold (drop_caches)" if root else "evicted (posix_fadvise)"),
                 "fio": ("O_DIRECT" if target_runs[0]["fio_direct"] else "buffered") if fio else None,
                 "rows": summary(target_runs),

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 
 import pytest
 import torch
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import CorruptCheckpointError, FastPersistReader, NotACheckpointError, verify_checkpoint
+from fp_dcp import CorruptCheckpointError, FastPersistReader, IOConfig, NotACheckpointError, verify_checkpoint
+from fp_dcp.io.device import filesystem_of
+from fp_dcp.io.files import kernel_copies
+from fp_dcp.save.placement import auto_lanes
 
 
 def state_of(value: float) -> dict:
@@ -103,3 +107,33 @@ def test_checkpoints_sharing_data_dirs_keep_their_own_files(tmp_path):
 def test_duplicate_data_dirs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         save(state_of(1), tmp_path / "c", data_dirs=[tmp_path / "a", tmp_path / "a"])
+
+
+@pytest.mark.parametrize(("threads", "data_dirs", "files"), [(1, 0, 2), (2, 0, 4), (8, 0, 8), (2, 3, 6)])
+def test_auto_lanes_write_several_files_where_the_page_cache_copies(tmp_path, threads, data_dirs, files):
+    """Writes into one file through the page cache are copied one at a time: auto gives a rank twice its host
+    threads' worth of files (at most 8), at least one per directory, and two staging buffers for each."""
+    dirs = [tmp_path / f"d{i}" for i in range(data_dirs)] or None
+    config = IOConfig(direct_io=False, host_threads=threads)
+    writer = save(state_of(3), tmp_path / "ckpt", data_dirs=dirs, config=config)
+    assert len(writer.last_save.files) == files
+    assert writer._io.get()[1].count >= 2 * files
+    assert_loads(tmp_path / "ckpt", 3, data_dirs=dirs)
+
+
+def test_auto_lanes_write_one_file_a_directory_with_o_direct(tmp_path):
+    writer = save(state_of(4), tmp_path / "ckpt", data_dirs=[tmp_path / "a", tmp_path / "b"])
+    if writer.last_save.direct_io:  # a filesystem that takes O_DIRECT (the page cache case is above)
+        assert len(writer.last_save.files) == 2
+    explicit = save(state_of(4), tmp_path / "two", config=IOConfig(direct_io=False, host_threads=4), lanes_per_dir=1)
+    assert len(explicit.last_save.files) == 1  # a number given is kept
+
+
+@pytest.mark.skipif(filesystem_of("/dev/shm") != "tmpfs", reason="no tmpfs at /dev/shm here")
+def test_the_kernel_is_found_to_copy_into_tmpfs_with_or_without_o_direct(tmp_path):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        assert kernel_copies(shm, None) and kernel_copies(shm, True)
+        assert auto_lanes([shm], IOConfig(host_threads=3)) == 6
+        assert auto_lanes([shm, str(tmp_path)], IOConfig(host_threads=3)) == 3  # 6 files over both
+    if not kernel_copies(str(tmp_path), None):  # a disk that takes O_DIRECT: one file keeps it busy
+        assert auto_lanes([str(tmp_path)], IOConfig(host_threads=3)) == 1

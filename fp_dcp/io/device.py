@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .buffers import BufferPool
     from .files import DataFile
 
-__all__ = ["disk_of", "scatter_caps_requests", "in_place"]
+__all__ = ["disk_of", "filesystem_of", "scatter_caps_requests", "in_place"]
 
 
 def disk_of(directory: str) -> str | None:
@@ -39,6 +39,21 @@ def disk_of(directory: str) -> str | None:
     if os.path.exists(os.path.join(real, "partition")):
         real = os.path.dirname(real)
     return os.path.basename(real)
+
+
+def filesystem_of(directory: str) -> str:
+    """The type of the filesystem holding ``directory`` (``ext4``, ``tmpfs``, ...): its mount point's, the
+    longest in ``/proc/mounts`` above it; ``unknown`` where none is."""
+    real, best, kind = os.path.realpath(directory), "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                point, fs = line.split()[1:3]
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, fs
+    except OSError:
+        pass
+    return kind
 
 
 def _queue_value(disk: str, name: str) -> int | None:

@@ -387,9 +387,13 @@ class IOResources:
         self.checksummer = Checksummer(threads)
         self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
 
-    def get(self) -> tuple[Engine, BufferPool]:
+    def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
+        """The engine and the pool, made at the first call: ``num_buffers`` buffers, or ``min_buffers`` where
+        that is more. A writer asks for two per file it writes at once, one filling while another is written:
+        with fewer, saves staged from a GPU into 8 directories on tmpfs kept 4 writes in flight and ran at half
+        of fio's 8 jobs. Later calls get the same pool, whatever they ask."""
         if self._engine is None or self._pool is None:
-            self._pool = BufferPool(self.config.buffer_size, self.config.num_buffers)
+            self._pool = BufferPool(self.config.buffer_size, max(self.config.num_buffers, min_buffers))
             self._engine = create_engine(self.config)
             self._engine.register_buffers(self._pool.views)
         return self._engine, self._pool

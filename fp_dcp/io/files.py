@@ -12,15 +12,19 @@ import errno as errno_mod
 import fcntl
 import os
 import secrets
+import tempfile
 from collections.abc import Callable
 
 from .. import _cio
 from ..log import log_once
 from ..units import PAGE
+from .device import filesystem_of
 
 __all__ = [
     "DataFile",
     "open_file",
+    "probe_file",
+    "kernel_copies",
     "preallocate",
     "fsync_path",
     "fsync_directory",
@@ -111,6 +115,41 @@ def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
                 raise OSError(errno_mod.EINVAL, "direct I/O is not in effect and direct_io=True", path)
             log_once(f"fp-dcp: direct I/O not in effect on {os.path.dirname(path) or '.'}; using the page cache")
     return DataFile(path, os.open(path, flags, 0o644), False, 1)
+
+
+def probe_file(directory: str, direct: bool | None) -> DataFile:
+    """A file created in ``directory`` as a data file would be, and removed again: its ``direct`` and ``align``
+    say how that directory's data files will be accessed (the returned file is closed)."""
+    fd, probe = tempfile.mkstemp(prefix=".fp-dcp-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+    f = open_file(probe, create=True, direct=direct)
+    f.close()
+    os.unlink(probe)
+    return f
+
+
+_COPIES_BY_DEVICE: dict[int, bool] = {}  # st_dev: whether the kernel copies what is written there
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def kernel_copies(directory: str, direct: bool | None) -> bool:
+    """Whether the kernel copies every byte written to data files created in ``directory`` (which exists): they
+    go through the page cache (``direct`` False, or a filesystem that refuses O_DIRECT), or the filesystem is
+    memory (tmpfs, which takes O_DIRECT from Linux 6.6 on and copies then too). Asked once per device and
+    process."""
+    if direct is False:
+        return True
+    device = os.stat(directory).st_dev
+    if device not in _COPIES_BY_DEVICE:
+        if filesystem_of(directory) in _MEMORY_FILESYSTEMS:
+            _COPIES_BY_DEVICE[device] = True
+        else:
+            try:
+                _COPIES_BY_DEVICE[device] = not probe_file(directory, direct).direct
+            except OSError:
+                return False  # direct=True where the filesystem refuses: the save itself says so
+    return _COPIES_BY_DEVICE[device]
 
 
 def preallocate(f: DataFile, size: int) -> None:

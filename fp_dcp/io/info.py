@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
 from .. import _cio
 from ..config import IOConfig
 from .engine import create_engine
-from .files import open_file
+from .files import probe_file
 
 __all__ = ["engine_info"]
 
@@ -33,14 +32,7 @@ def engine_info(directory: str | None = None, config: IOConfig | None = None) ->
         }
     finally:
         engine.close()
-    fd, probe = tempfile.mkstemp(prefix=".fp-dcp-probe-", dir=directory)
-    os.close(fd)
-    os.unlink(probe)
-    f = open_file(probe, create=True, direct=config.direct_io)
-    try:
-        info["direct_io"] = f.direct
-        info["alignment"] = f.align
-    finally:
-        f.close()
-        os.unlink(probe)
+    probe = probe_file(directory or tempfile.gettempdir(), config.direct_io)
+    info["direct_io"] = probe.direct
+    info["alignment"] = probe.align
     return info

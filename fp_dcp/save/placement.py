@@ -6,7 +6,8 @@ every checkpoint of a run), each checkpoint gets its own subdirectory in each
 of them, named after the checkpoint directory plus a hash of its real path, so
 checkpoints sharing ``data_dirs`` never share, or clean up, each other's
 files. Each rank writes ``lanes_per_dir`` files into every directory, file
-``k`` into directory ``k % len(dirs)``; ``.metadata`` always stays in the
+``k`` into directory ``k % len(dirs)`` (``auto_lanes`` picks how many where the
+writer is not told); ``.metadata`` always stays in the
 checkpoint directory and its footer records each file's directory index and
 the subdirectory name, so a reader finds them (``fp_dcp.checkpoint``, also
 after the checkpoint has moved). The footer records the data directories as
@@ -16,12 +17,19 @@ working directory, which a reader does not know.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["Placement", "data_directories"]
+from ..config import IOConfig
+from ..format import file_index
+from ..io.files import fsync_directory, kernel_copies
+
+__all__ = ["Placement", "auto_lanes", "data_directories", "prepare_placement"]
+
+_MAX_AUTO_FILES = 8  # a rank's files at most where auto lanes add some: each gets two staging buffers
 
 
 def _subdir(checkpoint: str) -> str:
@@ -59,3 +67,47 @@ class Placement:
 
     def footer(self) -> dict[str, Any]:
         return {"data_dirs": self.data_dirs, "data_subdir": self.subdir}
+
+    def remove(self, names: Iterable[str]) -> None:
+        """Remove the data files ``names`` (those this host can reach), durably."""
+        directories = set()
+        for name in names:
+            directory = self.directory_of(file_index(name))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+                directories.add(directory)
+        for directory in directories:
+            fsync_directory(directory)
+
+
+def prepare_placement(
+    checkpoint: str, data_dirs: Sequence[str], lanes_per_dir: int | None, config: IOConfig
+) -> Placement:
+    """A save's placement into ``checkpoint``, its directories made; ``lanes_per_dir`` None: ``auto_lanes``."""
+    placement = Placement(checkpoint, data_dirs, lanes_per_dir or 1)
+    for directory in dict.fromkeys([checkpoint, *placement.directories]):
+        os.makedirs(directory, exist_ok=True)
+    if lanes_per_dir is None:  # auto: known once the directories exist
+        placement = Placement(checkpoint, data_dirs, auto_lanes(placement.directories, config))
+    return placement
+
+
+def auto_lanes(directories: Sequence[str], config: IOConfig) -> int:
+    """Files per directory for a writer not told (``lanes_per_dir=None``), once ``directories`` exist.
+
+    One where files are written with O_DIRECT to a device: one file with a
+    deep queue keeps it busy. Where the kernel copies every byte (tmpfs, or
+    the page cache: ``direct_io=False``), writes into one file are copied
+    one at a time (tmpfs's inode lock; io_uring runs a file's writes in
+    order on one worker where the filesystem does not declare parallel
+    direct writes, as ext4 and xfs do and tmpfs does not): there a rank writes
+    twice as many files as it has ``host_threads`` (at most 8), spread over
+    the directories, so that several copies run at once. One rank saving
+    1 GiB into tmpfs on 2 cores, alternating: 1.76-1.83 GB/s with one
+    file, 2.10-2.18 with four; two ranks there gained nothing from a
+    second file each (both cores were busy), nor lost.
+    """
+    if not any(kernel_copies(d, config.direct_io) for d in directories):
+        return 1
+    files = min(_MAX_AUTO_FILES, 2 * config.threads())
+    return max(1, -(-files // len(directories)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 
@@ -21,15 +20,13 @@ class WriterResources:
     nobody closed is garbage-collected (``fp_dcp.gpu.memory``). ``close``
     releases it all now.
 
-    A writer with ``files`` files at once (data directories x lanes) gets at
-    least two pool buffers per file, one filling while another is written:
-    with fewer, saves staged from a GPU into 8 directories on tmpfs kept 4
-    writes in flight and ran at half of fio's 8 jobs.
+    The pool is made at the first save, with at least two buffers for each
+    of its files (``IOResources.get``).
     """
 
-    def __init__(self, config: IOConfig, files: int = 1) -> None:
+    def __init__(self, config: IOConfig) -> None:
         self.staging = Staging(config)
-        self.io = IOResources(dataclasses.replace(config, num_buffers=max(config.num_buffers, 2 * files)))
+        self.io = IOResources(config)
         self.busy = threading.Lock()  # held while a save's data is written through them: one pipeline at a time
         self.shared_as: str | None = None  # the writer id its unpickled copies find it under
 
@@ -47,10 +44,10 @@ class WriterResources:
 _UNPICKLED: weakref.WeakValueDictionary[str, WriterResources] = weakref.WeakValueDictionary()
 
 
-def shared_resources(writer_id: str, config: IOConfig, files: int) -> WriterResources:
+def shared_resources(writer_id: str, config: IOConfig) -> WriterResources:
     """The resources the unpickled copies of writer ``writer_id`` share here, made if none of them lives."""
     resources = _UNPICKLED.get(writer_id)
     if resources is None:
-        resources = _UNPICKLED[writer_id] = WriterResources(config, files)
+        resources = _UNPICKLED[writer_id] = WriterResources(config)
         resources.shared_as = writer_id
     return resources

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future as StagingFuture
 from typing import Any
 
@@ -38,7 +37,7 @@ from .checkpoint_path import checkpoint_directory
 from .controls import SaveControls
 from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
-from .placement import Placement, data_directories
+from .placement import Placement, data_directories, prepare_placement
 from .resources import WriterResources, shared_resources
 from .summary import SaveSummary
 
@@ -93,7 +92,10 @@ class FastPersistWriter(StorageWriter):
             Resolved to absolute paths here (relative to the current directory). Default: all in ``path``.
         lanes_per_dir: data files each rank writes into each directory, all
             written at the same time (more lanes keep more requests in flight
-            per device on striped or networked filesystems).
+            per device on striped or networked filesystems). None (auto): one
+            where the files get O_DIRECT; where the page cache takes the
+            writes (tmpfs), twice ``host_threads`` files a rank, at most 8,
+            over the directories (``fp_dcp.save.placement.auto_lanes``).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
         mode: what ``stage`` does for ``async_save`` (``dcp.save`` always streams):
             ``"streaming"`` copies nothing up front: the save reads the tensors
@@ -137,7 +139,7 @@ class FastPersistWriter(StorageWriter):
         *,
         overwrite: bool = True,
         data_dirs: Sequence[str | os.PathLike[str]] | None = None,
-        lanes_per_dir: int = 1,
+        lanes_per_dir: int | None = None,
         config: IOConfig | None = None,
         mode: Mode = "streaming",
         incremental: bool = False,
@@ -157,13 +159,13 @@ class FastPersistWriter(StorageWriter):
         self.overwrite = overwrite
         self.data_dirs = data_directories(data_dirs)  # resolved now: a later chdir changes nothing
         self.lanes_per_dir = lanes_per_dir
-        self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir)  # checks the arguments
+        self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir or 1)  # checks the arguments
         self.config = config if config is not None else IOConfig()
         if mode not in ("streaming", "snapshot"):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
         self.mode: Mode = mode
         self._id = uuid.uuid4().hex
-        self._start(WriterResources(self.config, self.placement.files_per_rank))
+        self._start(WriterResources(self.config))
 
     def _start(self, resources: WriterResources) -> None:
         """The per-process state: made by ``__init__`` and again where the writer is unpickled."""
@@ -213,8 +215,8 @@ class FastPersistWriter(StorageWriter):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.placement = Placement(self._path or "", self.data_dirs, self.lanes_per_dir)
-        self._start(shared_resources(self._id, self.config, self.placement.files_per_rank))
+        self.placement = Placement(self._path or "", self.data_dirs, self.lanes_per_dir or 1)
+        self._start(shared_resources(self._id, self.config))
 
     @property
     def path(self) -> str:
@@ -243,10 +245,7 @@ class FastPersistWriter(StorageWriter):
         self.rank = kwargs.get("rank")  # None from torch 2.7 (no rank passed): write_data takes the plan's
         self.is_coordinator = is_coordinator
         self._path = checkpoint_directory(self.path)
-        self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
-        os.makedirs(self.path, exist_ok=True)
-        for directory in self.placement.directories:
-            os.makedirs(directory, exist_ok=True)
+        self.placement = prepare_placement(self.path, self.data_dirs, self.lanes_per_dir, self.config)
         if is_coordinator:
             if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_NAME)):
                 raise CheckpointExistsError(f"Checkpoint already exists in {self.path} (published) and overwrite=False")
@@ -288,7 +287,7 @@ class FastPersistWriter(StorageWriter):
         start = time.perf_counter()
         if self.rank is None:
             self.rank = plan_rank(plan.storage_data)
-        engine, pool = self._io.get()
+        engine, pool = self._io.get(2 * self.placement.files_per_rank)
         paths = [
             os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token))
             for k in range(self.placement.files_per_rank)
@@ -335,14 +334,14 @@ class FastPersistWriter(StorageWriter):
             footer["engine"] = self.last_save.describe_io()  # the coordinator's
         encoded = encode_metadata(this_save, entries, footer)
         if self.config.engine == "null":  # nothing was stored: there is no checkpoint to publish
-            self._remove_files(entries)
+            self.placement.remove(entries)
             self._release_lock()
             return
         try:
             try:
                 commit.publish(self.path, encoded, self._token)
             except files.ReplaceFailedError:
-                self._remove_files(entries)  # unpublished: they would only hold the space a retry needs
+                self.placement.remove(entries)  # unpublished: they would only hold the space a retry needs
                 raise
             keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}  # incl. files of its base it took over
             directories = list(dict.fromkeys([self.path, *self.placement.directories]))
@@ -387,17 +386,6 @@ class FastPersistWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str | None:
         return self._path
-
-    def _remove_files(self, names: Iterable[str]) -> None:
-        """Remove this save's data files (those this host can reach) and make the removal durable."""
-        directories = set()
-        for name in names:
-            directory = self.placement.directory_of(file_index(name))
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                directories.add(directory)
-        for directory in directories:
-            files.fsync_directory(directory)
 
     # ------------------------------------------ async saves (DCP's AsyncStager)
 

@@ -179,8 +179,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _format_value(axis: str, value: int | bool | None) -> str:
+    if value is None:
+        return "auto"
     if axis in ("direct_writes", "direct_reads"):
-        return "auto" if value is None else "in-place" if value else "copy"
+        return "in-place" if value else "copy"
     assert isinstance(value, int)  # every other axis is a count or a size
     return f"{value >> 20}M" if axis.endswith("_size") else str(value)
 
@@ -232,7 +234,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if untried:
         print(f"not tried (out of time): {', '.join(untried)}; raise --budget or lower --size-mb")
     for side, sweep in (("save", result.save), ("load", result.load)):
-        lanes = f", lanes_per_dir={sweep.best.lanes_per_dir}" if sweep.best.lanes_per_dir != 1 else ""
+        lanes = f", lanes_per_dir={sweep.best.lanes_per_dir}" if sweep.best.lanes_per_dir is not None else ""
         same = "  (the defaults)" if sweep.best == sweep.baseline else ""
         print(f"best {side}: {sweep.config_line()}{lanes}{same}")
     print("IOConfig is shared by FastPersistWriter and FastPersistReader: give each its own to use both:")

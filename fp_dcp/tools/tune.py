@@ -76,7 +76,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Value = int | bool | None  # None: IOConfig's auto choice (direct_writes, direct_reads)
+Value = int | bool | None  # None: the auto choice (direct_writes, direct_reads, host_threads, lanes_per_dir)
 FIO_SHARE = 0.1  # of the budget, for fio's write and read together
 _FIO_MIN_S = 0.05  # a fio run given less than this is not started
 
@@ -112,14 +112,14 @@ LOAD_AXES = (
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """A candidate: I/O settings plus the writer's lanes."""
+    """A candidate: I/O settings plus the writer's lanes (None: its auto choice)."""
 
     config: IOConfig
-    lanes_per_dir: int = 1
+    lanes_per_dir: int | None = None
 
     def with_value(self, axis: str, value: Value) -> Setting:
         if axis == "lanes_per_dir":
-            assert isinstance(value, int)
+            assert value is None or isinstance(value, int)
             return dataclasses.replace(self, lanes_per_dir=value)
         field: dict[str, Any] = {axis: value}  # one of IOConfig's fields, by name
         return dataclasses.replace(self, config=dataclasses.replace(self.config, **field))
@@ -184,7 +184,7 @@ class TuneResult:
     seconds: float
 
     def writer_line(self) -> str:
-        lanes = f"lanes_per_dir={self.save.best.lanes_per_dir}, " if self.save.best.lanes_per_dir != 1 else ""
+        lanes = f"lanes_per_dir={self.save.best.lanes_per_dir}, " if self.save.best.lanes_per_dir is not None else ""
         return f"FastPersistWriter(path, {lanes}config={self.save.config_line()})"
 
     def reader_line(self) -> str:
