@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.load import reader as reader_module
 from fp_dcp.load.catalog import FastPersistCatalog
 from fp_dcp.load.sharing import plan_exchange
 
@@ -32,7 +33,8 @@ def load_all(rank: int, world: int, path: str, share: bool) -> dict:
     dcp.load(state, storage_reader=reader)
     summary = reader.last_load
     exact = all(same_bytes(state[k], v) for k, v in replicated_state().items())
-    return {"exact": exact, "read": summary.read_bytes, "received": summary.received_bytes}
+    groups = len(reader_module._GROUPS)  # gloo groups made for exchanges in this process
+    return {"exact": exact, "read": summary.read_bytes, "received": summary.received_bytes, "groups": groups}
 
 
 def data_bytes(path: str) -> int:
@@ -51,6 +53,7 @@ def test_four_ranks_loading_a_replicated_state_read_it_from_storage_once(tmp_pat
     read = sum(r["read"] for r in results)
     assert items_bytes(replicated_state()) <= read <= data_bytes(path), results  # 1x the checkpoint
     assert sum(r["received"] for r in results) >= 3 * items_bytes(replicated_state()) * 0.9, results
+    assert all(r["groups"] == 1 for r in results), results
 
 
 @pytest.mark.parametrize("share", [False, "auto"])
@@ -59,6 +62,7 @@ def test_with_sharing_off_or_on_one_node_every_rank_reads_everything_itself(tmp_
     save(replicated_state(), path)
     results = run_ranks(4, load_all, path, share)  # "auto": all 4 ranks on this host, so no exchange
     assert all(r["exact"] and r["received"] == 0 for r in results), results
+    assert all(r["groups"] == 0 for r in results), results  # and no group of its own made for one
     assert sum(r["read"] for r in results) >= 4 * items_bytes(replicated_state()), results
 
 

@@ -61,7 +61,7 @@ _GROUPS: dict[int, Group] = {}  # gloo groups for sharing, by the id of the grou
 
 
 def _sharing_group(process_group: dist.ProcessGroup | None) -> Group:
-    """A gloo group of the ranks of ``process_group`` (every rank makes it at the same load)."""
+    """A gloo group of the ranks of ``process_group``, made by all of them at their first load that exchanges."""
     key = id(process_group)
     if key not in _GROUPS:
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
@@ -152,7 +152,7 @@ class FastPersistReader(StorageReader):
         self._uploads = DeviceLoads()  # GPU targets: page-locked staging, side streams
         self.share = share
         self.process_group = process_group
-        self._transport: Transport | None = None  # for this load's shared items, when there are several ranks
+        self._may_share = False  # whether this load's ranks plan an exchange (several ranks, ``share`` allows)
 
     # ----------------------------------------------------------- DCP contract
 
@@ -204,15 +204,13 @@ class FastPersistReader(StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._transport = None
         distributed = dist.is_available() and dist.is_initialized() and kwargs.get("use_collectives", True)
-        if (
+        self._may_share = bool(
             self.share is not False
             and self._stock is None
             and distributed
             and dist.get_world_size(self.process_group) > 1
-        ):
-            self._transport = Transport(_sharing_group(self.process_group))
+        )
         if self._stock is not None:
             self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
             self._stock_metadata = metadata
@@ -220,14 +218,14 @@ class FastPersistReader(StorageReader):
             raise RuntimeError("FastPersistReader.set_up_storage_reader called before read_metadata")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        if self._transport is None or self._catalog is None:
+        if not self._may_share or self._catalog is None:
             return plan
         # this rank's node, and the data files it can open: shared items are read where their files are
         visible = {name for name, path in self._catalog.paths.items() if os.path.exists(path)}
         return dataclasses.replace(plan, storage_data=(node_name(), visible))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if self._transport is None or self._catalog is None:
+        if not self._may_share or self._catalog is None:
             return plans
         seen = [p.storage_data if isinstance(p.storage_data, tuple) else ("", set()) for p in plans]
         if self.share == "auto" and len({node for node, _ in seen}) < 2:
@@ -272,8 +270,11 @@ class FastPersistReader(StorageReader):
     ) -> tuple[ReadCounts, int]:
         """Read the plan's items, shared ones through the exchange; returns the storage reads and bytes received."""
         exchange = plan.storage_data if isinstance(plan.storage_data, Exchange) else None
-        if exchange is None or self._transport is None:
+        if exchange is None:
             return self._read_own(plan.items, planner, catalog, engine, pool), 0
+        # every rank got the same global plan, so all of them make the group here, or none: a job on one node
+        # (share="auto") never makes one
+        transport = Transport(_sharing_group(self.process_group))
         shared: list[ReadItem] = []
         own: list[ReadItem] = []
         for req in plan.items:
@@ -281,7 +282,7 @@ class FastPersistReader(StorageReader):
             (shared if (loc.file, loc.offset) in exchange.readers else own).append(req)
         # the exchange first: a failure in this rank's own reads must not leave the others waiting in it
         peers, received = read_shared(
-            shared, exchange, planner, catalog, engine, pool, self.config, self._transport, self._uploads
+            shared, exchange, planner, catalog, engine, pool, self.config, transport, self._uploads
         )
         counts = self._read_own(own, planner, catalog, engine, pool)
         total = ReadCounts(counts.read + peers.read, counts.needed + peers.needed, counts.requests + peers.requests)
