@@ -10,7 +10,14 @@ import torch
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import CorruptCheckpointError, FastPersistReader, IOConfig, NotACheckpointError, verify_checkpoint
+from fp_dcp import (
+    CorruptCheckpointError,
+    FastPersistReader,
+    FastPersistWriter,
+    IOConfig,
+    NotACheckpointError,
+    verify_checkpoint,
+)
 from fp_dcp.io.device import filesystem_of
 from fp_dcp.io.files import kernel_copies
 from fp_dcp.save.placement import auto_lanes
@@ -137,3 +144,9 @@ def test_the_kernel_is_found_to_copy_into_tmpfs_with_or_without_o_direct(tmp_pat
         assert auto_lanes([shm, str(tmp_path)], IOConfig(host_threads=3)) == 3  # 6 files over both
     if not kernel_copies(str(tmp_path), None):  # a disk that takes O_DIRECT: one file keeps it busy
         assert auto_lanes([str(tmp_path)], IOConfig(host_threads=3)) == 1
+
+
+@pytest.mark.parametrize("lanes", [0, -2])
+def test_a_lane_count_below_one_is_refused_not_taken_for_auto(tmp_path, lanes):
+    with pytest.raises(ValueError, match="lanes_per_dir must be at least 1"):
+        FastPersistWriter(tmp_path / "ckpt", lanes_per_dir=lanes)

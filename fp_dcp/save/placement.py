@@ -49,8 +49,9 @@ class Placement:
     """The writer's view: which directory file ``k`` of a rank goes to."""
 
     def __init__(
-        self, checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, lanes_per_dir: int = 1
+        self, checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, lanes_per_dir: int | None = 1
     ) -> None:
+        lanes_per_dir = 1 if lanes_per_dir is None else lanes_per_dir  # auto: one until prepare_placement chooses
         if lanes_per_dir < 1:
             raise ValueError(f"lanes_per_dir must be at least 1, got {lanes_per_dir}")
         self.data_dirs = data_directories(data_dirs)
@@ -84,7 +85,7 @@ def prepare_placement(
     checkpoint: str, data_dirs: Sequence[str], lanes_per_dir: int | None, config: IOConfig
 ) -> Placement:
     """A save's placement into ``checkpoint``, its directories made; ``lanes_per_dir`` None: ``auto_lanes``."""
-    placement = Placement(checkpoint, data_dirs, lanes_per_dir or 1)
+    placement = Placement(checkpoint, data_dirs, lanes_per_dir)
     for directory in dict.fromkeys([checkpoint, *placement.directories]):
         os.makedirs(directory, exist_ok=True)
     if lanes_per_dir is None:  # auto: known once the directories exist

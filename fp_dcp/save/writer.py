@@ -159,7 +159,7 @@ class FastPersistWriter(StorageWriter):
         self.overwrite = overwrite
         self.data_dirs = data_directories(data_dirs)  # resolved now: a later chdir changes nothing
         self.lanes_per_dir = lanes_per_dir
-        self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir or 1)  # checks the arguments
+        self.placement = Placement(self._path or "", self.data_dirs, lanes_per_dir)  # checks the arguments
         self.config = config if config is not None else IOConfig()
         if mode not in ("streaming", "snapshot"):
             raise ValueError(f"mode must be 'streaming' or 'snapshot', not {mode!r}")
@@ -215,7 +215,7 @@ class FastPersistWriter(StorageWriter):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.placement = Placement(self._path or "", self.data_dirs, self.lanes_per_dir or 1)
+        self.placement = Placement(self._path or "", self.data_dirs, self.lanes_per_dir)
         self._start(shared_resources(self._id, self.config))
 
     @property
