@@ -343,7 +343,7 @@ def test_same_bytes_on_disk_whatever_the_engine(tmp_path):
         ]
     ):
         path = tmp_path / str(i)
-        save(state, path, config=config, lanes_per_dir=1)  # one file, whether or not the kernel copies
+        save(state, path, config=config)
         (data_file,) = [p for p in path.iterdir() if p.suffix == ".distcp"]
         contents.add(data_file.read_bytes())
     assert len(contents) == 1

@@ -65,7 +65,7 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
 
 def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
     state = host_state()
-    save(state, tmp_path / "ck", config=IOConfig(direct_io=False), lanes_per_dir=1)
+    save(state, tmp_path / "ck", config=IOConfig(direct_io=False))
     (name,) = [n for n in os.listdir(tmp_path / "ck") if n.endswith(".distcp")]
     with open(tmp_path / "ck" / name, "r+b") as f:
         f.seek(os.path.getsize(tmp_path / "ck" / name) // 2)

@@ -20,7 +20,8 @@ from fp_dcp import (
 )
 from fp_dcp.io.device import filesystem_of
 from fp_dcp.io.files import kernel_copies
-from fp_dcp.save.placement import auto_lanes
+from fp_dcp.save import placement
+from fp_dcp.save.placement import LANE_BYTES, auto_lanes, planned_bytes
 
 
 def state_of(value: float) -> dict:
@@ -117,9 +118,10 @@ def test_duplicate_data_dirs_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("threads", "data_dirs", "files"), [(1, 0, 2), (2, 0, 4), (8, 0, 8), (2, 3, 6)])
-def test_auto_lanes_write_several_files_where_the_page_cache_copies(tmp_path, threads, data_dirs, files):
+def test_auto_lanes_write_several_files_where_the_page_cache_copies(tmp_path, monkeypatch, threads, data_dirs, files):
     """Writes into one file through the page cache are copied one at a time: auto gives a rank twice its host
     threads' worth of files (at most 8), at least one per directory, and two staging buffers for each."""
+    monkeypatch.setattr(placement, "LANE_BYTES", 1024)  # a file for every KiB: this small state gets them all
     dirs = [tmp_path / f"d{i}" for i in range(data_dirs)] or None
     config = IOConfig(direct_io=False, host_threads=threads)
     writer = save(state_of(3), tmp_path / "ckpt", data_dirs=dirs, config=config)
@@ -140,13 +142,28 @@ def test_auto_lanes_write_one_file_a_directory_with_o_direct(tmp_path):
 def test_the_kernel_is_found_to_copy_into_tmpfs_with_or_without_o_direct(tmp_path):
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         assert kernel_copies(shm, None) and kernel_copies(shm, True)
-        assert auto_lanes([shm], IOConfig(host_threads=3)) == 6
-        assert auto_lanes([shm, str(tmp_path)], IOConfig(host_threads=3)) == 3  # 6 files over both
+        assert auto_lanes([shm], IOConfig(host_threads=3), 1 << 40) == 6
+        assert auto_lanes([shm, str(tmp_path)], IOConfig(host_threads=3), 1 << 40) == 3  # 6 files over both
+        assert auto_lanes([shm], IOConfig(host_threads=3), 2 * LANE_BYTES) == 2  # a file for every LANE_BYTES
+        assert auto_lanes([shm], IOConfig(host_threads=3), LANE_BYTES - 1) == 1
     if not kernel_copies(str(tmp_path), None):  # a disk that takes O_DIRECT: one file keeps it busy
-        assert auto_lanes([str(tmp_path)], IOConfig(host_threads=3)) == 1
+        assert auto_lanes([str(tmp_path)], IOConfig(host_threads=3), 1 << 40) == 1
+
+
+def test_a_small_state_is_one_file_whatever_the_filesystem(tmp_path):
+    writer = save(state_of(5), tmp_path / "ckpt", config=IOConfig(direct_io=False, host_threads=4))
+    assert len(writer.last_save.files) == 1
 
 
 @pytest.mark.parametrize("lanes", [0, -2])
 def test_a_lane_count_below_one_is_refused_not_taken_for_auto(tmp_path, lanes):
     with pytest.raises(ValueError, match="lanes_per_dir must be at least 1"):
         FastPersistWriter(tmp_path / "ckpt", lanes_per_dir=lanes)
+
+
+def test_planned_bytes_count_the_tensors_of_a_plan():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.zeros(10, 3, dtype=torch.bfloat16), "step": 3, "blob": {"a": [1, 2]}})
+    assert planned_bytes(planner.create_local_plan().items) == 60

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem
 
 from ..config import IOConfig
 from ..format import file_index
 from ..io.files import fsync_directory, kernel_copies
 
-__all__ = ["Placement", "auto_lanes", "data_directories", "prepare_placement"]
+__all__ = ["LANE_BYTES", "Placement", "auto_lanes", "data_directories", "planned_bytes"]
 
 _MAX_AUTO_FILES = 8  # a rank's files at most where auto lanes add some: each gets two staging buffers
+LANE_BYTES = 64 << 20  # auto lanes add a file for every this many bytes (a tenth of a second's copying or less)
 
 
 def _subdir(checkpoint: str) -> str:
@@ -46,18 +50,27 @@ def data_directories(data_dirs: Sequence[str | os.PathLike[str]] | None) -> list
 
 
 class Placement:
-    """The writer's view: which directory file ``k`` of a rank goes to."""
+    """The writer's view: how many files a rank writes, which directory file ``k`` of a rank goes to."""
 
     def __init__(
         self, checkpoint: str, data_dirs: Sequence[str | os.PathLike[str]] | None, lanes_per_dir: int | None = 1
     ) -> None:
-        lanes_per_dir = 1 if lanes_per_dir is None else lanes_per_dir  # auto: one until prepare_placement chooses
-        if lanes_per_dir < 1:
+        if lanes_per_dir is not None and lanes_per_dir < 1:
             raise ValueError(f"lanes_per_dir must be at least 1, got {lanes_per_dir}")
+        self.checkpoint = checkpoint
+        self.lanes_per_dir = lanes_per_dir  # None: auto_lanes
         self.data_dirs = data_directories(data_dirs)
         self.subdir = _subdir(checkpoint) if self.data_dirs else None
         self.directories = [os.path.join(d, self.subdir) for d in self.data_dirs] if self.subdir else [checkpoint]
-        self.files_per_rank = len(self.directories) * lanes_per_dir
+
+    def make_directories(self) -> None:
+        for directory in dict.fromkeys([self.checkpoint, *self.directories]):
+            os.makedirs(directory, exist_ok=True)
+
+    def files(self, nbytes: int, config: IOConfig) -> int:
+        """How many files a rank writes ``nbytes`` into, once the directories exist."""
+        lanes = self.lanes_per_dir or auto_lanes(self.directories, config, nbytes)
+        return len(self.directories) * lanes
 
     def directory_of(self, file_index: int) -> str:
         return self.directories[file_index % len(self.directories)]
@@ -81,20 +94,8 @@ class Placement:
             fsync_directory(directory)
 
 
-def prepare_placement(
-    checkpoint: str, data_dirs: Sequence[str], lanes_per_dir: int | None, config: IOConfig
-) -> Placement:
-    """A save's placement into ``checkpoint``, its directories made; ``lanes_per_dir`` None: ``auto_lanes``."""
-    placement = Placement(checkpoint, data_dirs, lanes_per_dir)
-    for directory in dict.fromkeys([checkpoint, *placement.directories]):
-        os.makedirs(directory, exist_ok=True)
-    if lanes_per_dir is None:  # auto: known once the directories exist
-        placement = Placement(checkpoint, data_dirs, auto_lanes(placement.directories, config))
-    return placement
-
-
-def auto_lanes(directories: Sequence[str], config: IOConfig) -> int:
-    """Files per directory for a writer not told (``lanes_per_dir=None``), once ``directories`` exist.
+def auto_lanes(directories: Sequence[str], config: IOConfig, nbytes: int) -> int:
+    """Files per directory for a writer not told (``lanes_per_dir=None``) and ``nbytes`` to write.
 
     One where files are written with O_DIRECT to a device: one file with a
     deep queue keeps it busy. Where the kernel copies every byte (tmpfs, or
@@ -106,9 +107,20 @@ def auto_lanes(directories: Sequence[str], config: IOConfig) -> int:
     the directories, so that several copies run at once. One rank saving
     1 GiB into tmpfs on 2 cores, alternating: 1.76-1.83 GB/s with one
     file, 2.10-2.18 with four; two ranks there gained nothing from a
-    second file each (both cores were busy), nor lost.
+    second file each (both cores were busy), nor lost. A file is added only
+    for every ``LANE_BYTES`` to write: a small state gains nothing from
+    more files, each one more to create, preallocate and sync.
     """
     if not any(kernel_copies(d, config.direct_io) for d in directories):
         return 1
-    files = min(_MAX_AUTO_FILES, 2 * config.threads())
+    files = min(_MAX_AUTO_FILES, 2 * config.threads(), nbytes // LANE_BYTES)
     return max(1, -(-files // len(directories)))
+
+
+def planned_bytes(items: Iterable[WriteItem]) -> int:
+    """The tensor bytes of a rank's write items, which ``auto_lanes`` deals files by (pickled items are small)."""
+    return sum(
+        math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+        for item in items
+        if item.tensor_data is not None
+    )

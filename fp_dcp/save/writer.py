@@ -37,7 +37,7 @@ from .checkpoint_path import checkpoint_directory
 from .controls import SaveControls
 from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
-from .placement import Placement, data_directories, prepare_placement
+from .placement import Placement, data_directories, planned_bytes
 from .resources import WriterResources, shared_resources
 from .summary import SaveSummary
 
@@ -94,8 +94,8 @@ class FastPersistWriter(StorageWriter):
             written at the same time (more lanes keep more requests in flight
             per device on striped or networked filesystems). None (auto): one
             where the files get O_DIRECT; where the page cache takes the
-            writes (tmpfs), twice ``host_threads`` files a rank, at most 8,
-            over the directories (``fp_dcp.save.placement.auto_lanes``).
+            writes (tmpfs), twice ``host_threads`` files a rank, at most 8 and
+            one for every 64 MiB, over the directories (``placement.auto_lanes``).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
         mode: what ``stage`` does for ``async_save`` (``dcp.save`` always streams):
             ``"streaming"`` copies nothing up front: the save reads the tensors
@@ -245,7 +245,8 @@ class FastPersistWriter(StorageWriter):
         self.rank = kwargs.get("rank")  # None from torch 2.7 (no rank passed): write_data takes the plan's
         self.is_coordinator = is_coordinator
         self._path = checkpoint_directory(self.path)
-        self.placement = prepare_placement(self.path, self.data_dirs, self.lanes_per_dir, self.config)
+        self.placement = Placement(self.path, self.data_dirs, self.lanes_per_dir)
+        self.placement.make_directories()
         if is_coordinator:
             if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_NAME)):
                 raise CheckpointExistsError(f"Checkpoint already exists in {self.path} (published) and overwrite=False")
@@ -287,11 +288,10 @@ class FastPersistWriter(StorageWriter):
         start = time.perf_counter()
         if self.rank is None:
             self.rank = plan_rank(plan.storage_data)
-        engine, pool = self._io.get(2 * self.placement.files_per_rank)
-        paths = [
-            os.path.join(self.placement.directory_of(k), data_file_name(self.rank, k, self._token))
-            for k in range(self.placement.files_per_rank)
-        ]
+        count = self.placement.files(planned_bytes(plan.items), self.config)
+        engine, pool = self._io.get(2 * count)
+        names = [data_file_name(self.rank, k, self._token) for k in range(count)]
+        paths = [os.path.join(self.placement.directory_of(k), name) for k, name in enumerate(names)]
         copier = self._staging.copier(staged.ready if staged else None)
         incremental = None
         if self.incremental:
