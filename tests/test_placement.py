@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -167,3 +168,14 @@ def test_planned_bytes_count_the_tensors_of_a_plan():
     planner = DefaultSavePlanner()
     planner.set_up_planner({"w": torch.zeros(10, 3, dtype=torch.bfloat16), "step": 3, "blob": {"a": [1, 2]}})
     assert planned_bytes(planner.create_local_plan().items) == 60
+
+
+def test_a_writer_whose_saves_grow_to_more_files_gets_a_larger_pool(tmp_path, monkeypatch):
+    config = IOConfig(direct_io=False, host_threads=2, num_buffers=2)
+    with FastPersistWriter(tmp_path / "ckpt", config=config) as writer:
+        dcp.save(state_of(6), storage_writer=writer)  # small: one file, the configured two buffers
+        assert len(writer.last_save.files) == 1 and writer._io.get()[1].count == 2
+        monkeypatch.setattr(placement, "LANE_BYTES", 1024)
+        dcp.save(state_of(7), storage_writer=writer)  # four files now: two buffers each
+        assert len(writer.last_save.files) == 4 and writer._io.get()[1].count == 8
+    assert_loads(tmp_path / "ckpt", 7)

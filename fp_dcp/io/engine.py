@@ -388,22 +388,28 @@ class IOResources:
         self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
 
     def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
-        """The engine and the pool, made at the first call: ``num_buffers`` buffers, or ``min_buffers`` where
-        that is more. A writer asks for two per file it writes at once, one filling while another is written:
-        with fewer, saves staged from a GPU into 8 directories on tmpfs kept 4 writes in flight and ran at half
-        of fio's 8 jobs. Later calls get the same pool, whatever they ask."""
+        """The engine and the pool: ``num_buffers`` buffers, or ``min_buffers`` where that is more. A writer asks
+        for two per file it writes at once, one filling while another is written: with fewer, saves staged from
+        a GPU into 8 directories on tmpfs kept 4 writes in flight and ran at half of fio's 8 jobs. Made at the
+        first call and kept; made anew, larger, where a later call asks for more (call it between transfers)."""
+        if self._pool is not None and self._pool.count < min_buffers:
+            self.close_pool()
         if self._engine is None or self._pool is None:
             self._pool = BufferPool(self.config.buffer_size, max(self.config.num_buffers, min_buffers))
             self._engine = create_engine(self.config)
             self._engine.register_buffers(self._pool.views)
         return self._engine, self._pool
 
-    def close(self) -> None:
+    def close_pool(self) -> None:
+        """Close the engine and the pool (a later ``get`` makes them anew)."""
         if self._engine is not None:
             self._engine.close()  # first: the ring holds the buffers while registered
             self._engine = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+    def close(self) -> None:
+        self.close_pool()
         self.prefaulter.close()
         self.checksummer.close()

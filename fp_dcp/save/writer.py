@@ -93,9 +93,10 @@ class FastPersistWriter(StorageWriter):
         lanes_per_dir: data files each rank writes into each directory, all
             written at the same time (more lanes keep more requests in flight
             per device on striped or networked filesystems). None (auto): one
-            where the files get O_DIRECT; where the page cache takes the
-            writes (tmpfs), twice ``host_threads`` files a rank, at most 8 and
-            one for every 64 MiB, over the directories (``placement.auto_lanes``).
+            where the files get O_DIRECT to a device; where the kernel copies
+            every byte (tmpfs, the page cache), twice ``host_threads`` files a
+            rank, at most 8 and one for every 64 MiB, over the directories
+            (``placement.auto_lanes``).
         config: I/O settings (engine, O_DIRECT, buffers, queue depth).
         mode: what ``stage`` does for ``async_save`` (``dcp.save`` always streams):
             ``"streaming"`` copies nothing up front: the save reads the tensors
