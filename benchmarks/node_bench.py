@@ -205,7 +205,7 @@ def recycle(directory: str, nbytes: int, name: str = "recycled") -> None:
     """Write ``nbytes`` into a file ``name`` in ``directory`` (a tmpfs) and remove it, so that the next write
     there takes pages the guest used a moment ago. On a VM that hands free memory back to its host (free page
     reporting), a page unused for a few seconds costs a host fault again at its next touch: 2 ranks' first save
-    into tmpfs ran at 1.0-1.4 GB/s and 1.2-2.6 CPU-s/GB, the same save after this at 2.8-2.9 GB/s and 0.65-0.68,
+    into tmpfs ran at 0.7-1.4 GB/s and 1.2-2.6 CPU-s/GB, the same save after this at 2.8-2.9 GB/s and 0.65-0.68,
     and fio, which wrote right after fp-dcp's files were removed, always had recycled pages. Every writer
     measured on a tmpfs target (fp-dcp's ranks, one rank alone, fio) starts after this: they meet the same
     memory."""
