@@ -87,13 +87,16 @@ def _direct_alignment(fd: int, writing: bool) -> int | None:
     return max(mem_align, offset_align, 512, block)
 
 
-def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
-    """Open ``path`` for writing (``create``: a new file, never an existing one) or reading.
+def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = False) -> DataFile:
+    """Open ``path`` for writing (``create``: a new file, never an existing one; with ``reuse``, the existing
+    file whose bytes the writer will overwrite) or reading.
 
     ``direct``: True requires O_DIRECT, False forbids it, None tries it and
     falls back to the page cache when the filesystem refuses.
     """
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if create else os.O_RDONLY
+    if reuse and not create:
+        raise ValueError("open_file: reuse=True opens a file for writing, so needs create=True")
+    flags = (os.O_WRONLY | (0 if reuse else os.O_CREAT | os.O_EXCL)) if create else os.O_RDONLY
     flags |= os.O_CLOEXEC
     if direct is not False:
         try:
@@ -109,7 +112,7 @@ def open_file(path: str, *, create: bool, direct: bool | None) -> DataFile:
             if align is not None:
                 return DataFile(path, fd, True, align)
             os.close(fd)
-            if create:
+            if create and not reuse:
                 os.unlink(path)
             if direct:
                 raise OSError(errno_mod.EINVAL, "direct I/O is not in effect and direct_io=True", path)

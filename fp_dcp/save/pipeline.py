@@ -21,10 +21,12 @@ their XXH3-128 computed in the same pass as their CRC-32C.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import itertools
+import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,6 +53,7 @@ from .incremental import Incremental, sample_digest
 __all__ = ["FileWritten", "Placed", "Item", "resolve", "write_files", "write_laid_out"]
 
 _ZEROS = bytes(64 * 1024)
+_ZERO_PAGES = memoryview(mmap.mmap(-1, 1 << 20))  # page-aligned zeros, as an O_DIRECT write needs
 
 
 @dataclass
@@ -133,8 +136,12 @@ def write_files(
     copier: DeviceCopier,
     incremental: Incremental | None = None,
     checksummer: Checksummer | None = None,
+    reused: Collection[str] = (),
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
+
+    The files at ``paths`` in ``reused`` exist (taken over from a retired
+    checkpoint, ``fp_dcp.save.spare``) and are overwritten instead.
 
     Returns the items' results, whose ``storage_data`` is (an ``ItemLocation``
     as a tuple, whether it is a reference into the incremental base).
@@ -162,7 +169,7 @@ def write_files(
             it.offset = offset
         plans.append((path, items, size))
 
-    directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer)
+    directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer, reused)
 
     results = []
     written = []
@@ -187,9 +194,11 @@ def write_laid_out(
     controls: SaveControls,
     copier: DeviceCopier,
     checksummer: Checksummer | None = None,
+    reused: Collection[str] = (),
 ) -> list[bool]:
     """Create each file ``(path, items, size)``, write its items (in file order) at their offsets, make it
-    ``size`` bytes, durably.
+    ``size`` bytes, durably. A path in ``reused`` is an existing file, overwritten: its old bytes outside the
+    new extents are zeroed, so that it reads as a new file would.
 
     The files' extents are interleaved, so files on different devices are
     written at the same time; the bytes between items are zeros. On failure
@@ -205,7 +214,8 @@ def write_laid_out(
     window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
     try:
         for path, _, _ in plans:
-            files.append(open_file(path, create=True, direct=config.direct_io))
+            files.append(open_file(path, create=True, direct=config.direct_io, reuse=path in reused))
+        stale = {f: 0 for f in files if f.path in reused}  # reused files: where their old bytes start
         if engine.stores:
             _preallocate(files, [size for _, _, size in plans], checksum.threads)
         streams = []
@@ -218,6 +228,9 @@ def write_laid_out(
         reads_tensors = False  # whether a transfer reads tensor memory until it completes
         for f, extent in interleave(streams):
             controls.check()
+            if f in stale:
+                _zero_file(f, stale[f], extent.file_offset)
+                stale[f] = extent.file_offset + extent.length
             if extent.direct:
                 it = extent.direct.owner
                 window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)
@@ -233,6 +246,8 @@ def write_laid_out(
         for f, (_, _, size) in zip(files, plans, strict=True):
             if os.fstat(f.fd).st_size != size:
                 os.ftruncate(f.fd, size)  # O_DIRECT wrote the last block whole, past a size that ends inside it
+            if f in stale:
+                _zero_file(f, stale[f], size)
         engine.sync(files)
     except BaseException:
         window.abort()
@@ -255,6 +270,21 @@ def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
     with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
         for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
             task.result()
+
+
+def _zero_file(f: DataFile, start: int, stop: int) -> None:
+    """Write zeros over ``f``'s bytes ``start`` to ``stop``: a reused file's old bytes between the extents.
+
+    Written, not punched out: on tmpfs a punched page is freed, and taking
+    its memory back at the next save is what reusing the file avoids. The
+    range lies between extents, so it is aligned as O_DIRECT needs.
+    """
+    while start < stop:
+        n = min(stop - start, len(_ZERO_PAGES))
+        written = os.pwrite(f.fd, _ZERO_PAGES[:n], start)
+        if written <= 0:
+            raise OSError(errno.EIO, f"zeroing bytes {start}-{stop} of a reused file wrote nothing", f.path)
+        start += written
 
 
 def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, checksum: Checksummer) -> memoryview:

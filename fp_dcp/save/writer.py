@@ -39,6 +39,7 @@ from .incremental import Base, Incremental, check_hashing
 from .pipeline import write_files
 from .placement import Placement, data_directories, planned_bytes
 from .resources import WriterResources, shared_resources
+from .spare import take_spares
 from .summary import SaveSummary
 
 __all__ = ["FastPersistWriter", "SaveSummary"]
@@ -119,6 +120,8 @@ class FastPersistWriter(StorageWriter):
             Deleting or changing a checkpoint whose files a later one
             references damages that one: ``CheckpointManager(incremental=True)``
             keeps track. A settable attribute; None (the default) writes everything.
+        spare: a retired checkpoint directory whose files of this rank the next save renames and overwrites
+            (``fp_dcp.save.spare``; ``CheckpointManager`` sets it). A settable attribute; default None.
         **filesystem_writer_options: the keyword arguments of torch's
             ``FileSystemWriter`` are accepted, so that code constructing one
             takes this class unchanged (``fp_dcp.compat.check_filesystem_writer_options``
@@ -145,6 +148,7 @@ class FastPersistWriter(StorageWriter):
         mode: Mode = "streaming",
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
+        spare: str | os.PathLike[str] | None = None,
         **filesystem_writer_options: Any,
     ) -> None:
         super().__init__()
@@ -155,6 +159,7 @@ class FastPersistWriter(StorageWriter):
             raise ValueError("FastPersistWriter(base=...) needs incremental=True")
         self.incremental = incremental
         self.base = base
+        self.spare = spare
         self._default_path = checkpoint_directory(path) if path is not None else None
         self._path = self._default_path
         self.overwrite = overwrite
@@ -197,6 +202,7 @@ class FastPersistWriter(StorageWriter):
         "mode",
         "incremental",
         "base",
+        "spare",
         "_id",
     )
 
@@ -293,13 +299,13 @@ class FastPersistWriter(StorageWriter):
         engine, pool = self._io.get(2 * count)
         names = [data_file_name(self.rank, k, self._token) for k in range(count)]
         paths = [os.path.join(self.placement.directory_of(k), name) for k, name in enumerate(names)]
+        reused = take_spares(os.fspath(self.spare), self.rank, paths) if self.spare and engine.stores else set()
         copier = self._staging.copier(staged.ready if staged else None)
-        incremental = None
-        if self.incremental:
-            threads = min(self.config.io_threads, os.cpu_count() or 1)
-            incremental = Incremental(self._base, threads)
+        threads = min(self.config.io_threads, os.cpu_count() or 1)
+        incremental = Incremental(self._base, threads) if self.incremental else None
+        checksummer = self._io.checksummer
         results, written = write_files(
-            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, self._io.checksummer
+            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, checksummer, reused
         )
         for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them

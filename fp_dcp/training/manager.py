@@ -47,12 +47,14 @@ from ..errors import CheckpointBusyError, DurableStorageError
 from ..gpu.stager import Mode
 from ..net.group import Group
 from ..save.commit import SaveLock
+from ..save.placement import data_directories
+from ..save.spare import SPARE_NAME, worth_reusing
 from ..save.writer import FastPersistWriter
 from ..tiers import DurableStore, Tiers
 from .overlap import OverlappedCheckpointer
 from .preemption import Preemption, PreemptionSave
 from .resume import Resume
-from .retention import Retention, finish_deletions, user_of
+from .retention import Retention, finish_deletions, remove_spare, user_of
 from .steps import StepInfo, list_steps, step_directory
 
 __all__ = ["CheckpointManager", "StepInfo", "list_steps", "step_directory"]
@@ -102,6 +104,14 @@ class CheckpointManager:
             nothing up front, and ``save`` returns once the write has read
             every tensor (less host memory, a longer wait).
         data_dirs, config: as for ``FastPersistWriter``.
+        reuse_files: where the kernel copies every byte written (tmpfs, the
+            page cache), keep the step pruned last as a spare (``.spare``,
+            not a checkpoint) until the next save, which overwrites its
+            files instead of making new ones, so their memory is not taken
+            and cleared again (``fp_dcp.save.spare``). Between saves the
+            root then holds one step more than retention keeps: as much as
+            during a save. Default True; nothing changes where data files
+            get O_DIRECT to a device.
         process_group: the group DCP's collectives use; with training on gloo
             too, give checkpoints their own (see ``fp_dcp.training.overlap``).
         replicas: how many nodes hold each rank's files (default 1: only its
@@ -156,6 +166,7 @@ class CheckpointManager:
         mode: Mode = "snapshot",
         data_dirs: list[str] | None = None,
         config: IOConfig | None = None,
+        reuse_files: bool = True,
         process_group: dist.ProcessGroup | None = None,
         replicas: int = 1,
         durable: str | os.PathLike[str] | DurableStore | None = None,
@@ -179,6 +190,7 @@ class CheckpointManager:
         self.writer = FastPersistWriter(data_dirs=data_dirs, config=config, mode=mode, incremental=incremental)
         self.data_dirs = data_dirs
         self.config = config
+        self.reuse_files = reuse_files
         self._overlap = OverlappedCheckpointer(
             self.writer, checkpoint_id=lambda step: step_directory(self.root, step), process_group=process_group
         )
@@ -276,6 +288,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         last = self._last_step
         self.writer.base = step_directory(self.root, last) if self.incremental and last is not None else None
+        self.writer.spare = os.path.join(self.root, SPARE_NAME) if self.reuse_files else None
         if synchronous:
             path = step_directory(self.root, step)
             dcp.save(state, checkpoint_id=path, storage_writer=self.writer, process_group=self.process_group)
@@ -322,7 +335,8 @@ class CheckpointManager:
         return self.tiers.durable_error if self.tiers is not None else None
 
     def close(self) -> None:
-        """Wait for the last save and its copies, prune, and release the writer, the root's lock and the signals."""
+        """Wait for the last save and its copies, prune, and release the writer, the spare, the root's lock and the
+        signals."""
         try:
             self.wait_for_copies()
         finally:
@@ -332,8 +346,11 @@ class CheckpointManager:
                 self.tiers.close()
             self.writer.close()
             if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+                try:
+                    remove_spare(self.root)  # no later save of this manager takes its files
+                finally:
+                    self._lock.release()
+                    self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -363,7 +380,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Apply retention to this node's root (one rank per node), sparing steps still being copied."""
         if self._housekeeper:
-            self.retention.prune(self.root, self.tiers.busy() if self.tiers is not None else ())
+            directories = data_directories(self.data_dirs) or [self.root]
+            spare = self.reuse_files and worth_reusing(directories, self.writer.config)
+            self.retention.prune(self.root, self.tiers.busy() if self.tiers is not None else (), spare)
 
     @property
     def _housekeeper(self) -> bool:

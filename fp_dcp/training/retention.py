@@ -5,7 +5,10 @@ renamed to ``.deleting-step-N`` (one atomic step, after which nothing treats
 it as a checkpoint), the rename made durable, then the files removed. A
 ``.deleting-*`` directory found later (a removal cut short) is finished by
 ``finish_deletions``. Directories of saves that died (no ``.metadata``)
-older than the newest published step are removed the same way.
+older than the newest published step are removed the same way. A step
+kept as the *spare* (``fp_dcp.save.spare``) is renamed to ``.spare``
+instead, and what the next save did not take of it is removed at the next
+pruning (or by ``finish_deletions``).
 
 Which files are in use is counted afresh, at every pruning, from the
 ``.metadata`` of the steps that stay (never from memory). A step retention
@@ -30,9 +33,10 @@ from ..errors import CheckpointError
 from ..format import METADATA_NAME, RETIRED_NAME
 from ..io.files import fsync_directory, write_durably
 from ..log import log
+from ..save.spare import SPARE_NAME
 from .steps import own_files, step_directories, step_directory, step_state
 
-__all__ = ["Retention", "finish_deletions", "user_of"]
+__all__ = ["Retention", "finish_deletions", "remove_spare", "user_of"]
 
 _DELETING = ".deleting-"
 
@@ -45,9 +49,15 @@ class Retention:
     keep_every: int | None = None
     keep: Callable[[int], bool] | None = None
 
-    def prune(self, root: str, busy: Iterable[int] = ()) -> None:
-        """Remove (or retire) the steps of ``root`` retention lets go, but none in ``busy`` (still being copied)."""
+    def prune(self, root: str, busy: Iterable[int] = (), spare: bool = False) -> None:
+        """Remove (or retire) the steps of ``root`` retention lets go, but none in ``busy`` (still being copied).
+
+        The spare left by the pruning before goes first. With ``spare``, the
+        first step removed whole becomes the new one (``fp_dcp.save.spare``):
+        renamed at once, its files removed at the next pruning.
+        """
         busy = set(busy)
+        remove_spare(root)
         # Published, retired or neither is all retention needs to decide: no metadata is read for it.
         steps = [(step, path, step_state(path)) for step, path in step_directories(root)]
         published = [step for step, _, state in steps if state == "published"]
@@ -73,7 +83,8 @@ class Retention:
             elif used is None:
                 continue  # a staying step's references are unreadable: remove nothing they might need
             elif state == "published" and os.path.abspath(path) not in used:
-                _delete(root, path)
+                _delete(root, path, spare)
+                spare = False
             else:
                 _retire(root, path, used.get(os.path.abspath(path), set()))
 
@@ -140,18 +151,27 @@ def _retire(root: str, path: str, used: set[str]) -> None:
                 os.unlink(file)
 
 
-def _delete(root: str, path: str) -> None:
-    """Rename, make the rename durable, then remove: a step is gone at once, its bytes after."""
-    trash = os.path.join(root, _DELETING + os.path.basename(path))
+def _delete(root: str, path: str, spare: bool = False) -> None:
+    """Rename, make the rename durable, then remove: a step is gone at once, its bytes after (a ``spare``'s
+    at the next pruning)."""
+    trash = os.path.join(root, SPARE_NAME if spare else _DELETING + os.path.basename(path))
     os.replace(path, trash)
     fsync_directory(root)
-    _remove(root, trash)
+    if not spare:
+        _remove(root, trash)
+
+
+def remove_spare(root: str) -> None:
+    """Remove what is left of ``root``'s spare step, if it has one."""
+    spare = os.path.join(root, SPARE_NAME)
+    if os.path.isdir(spare):
+        _remove(root, spare)
 
 
 def finish_deletions(root: str) -> None:
     """Finish what removals and retirements cut short by a crash left in ``root``."""
     for name in os.listdir(root):
-        if name.startswith(_DELETING):
+        if name.startswith(_DELETING) or name == SPARE_NAME:
             _remove(root, os.path.join(root, name))
         elif os.path.exists(os.path.join(root, name, RETIRED_NAME)):
             with contextlib.suppress(FileNotFoundError):  # a retirement cut short before its .metadata went
@@ -162,9 +182,9 @@ def finish_deletions(root: str) -> None:
 def _remove(root: str, trash: str) -> None:
     # Its data files may live in data_dirs: find them (its own only) before the directory goes.
     for file in own_files(trash):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):  # a spare's file a save took
             os.unlink(file)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(file))  # the checkpoint's subdirectory of a data dir
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(file))  # the checkpoint's subdirectory of a data dir, once empty
     shutil.rmtree(trash, ignore_errors=True)
     fsync_directory(root)
