@@ -82,7 +82,8 @@ from torch.distributed.tensor import DTensor
 from fp_dcp import FastPersistReader, FastPersistWriter, engine_info
 from fp_dcp.io.device import disk_of, filesystem_of
 from fp_dcp.tools.bench import cpu_seconds, evict, first_touch
-from fp_dcp.tools.fio import BLOCK, DEPTH, Fio, reference
+from fp_dcp.tools.fio import BLOCK, DEPTH, Jobs, reference
+from fp_dcp.tools.workload import recycle
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -95,28 +96,6 @@ COLUMNS = {
     "vs_slower": "x slower",
     "n_x_one": "N x one rank",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Jobs(Fio):
-    """fio as ``jobs`` processes at once (``--numjobs``). ``run(path, rw, size)`` takes the directories,
-    ``:``-separated: job ``j`` writes ``fio.<j>`` in directory ``j`` modulo their count, ``size`` bytes each.
-    ``direct=False``: buffered, where the filesystem refuses O_DIRECT. ``allocate_first=False``: no
-    ``fallocate`` while fio lays its files out, off its clock: on tmpfs that allocates every page of the
-    file, about half of what a write into it costs, and fp-dcp's saves allocate theirs on theirs."""
-
-    jobs: int = 1
-    direct: bool = True
-    allocate_first: bool = True
-
-    def args(self, path: str, rw: str, size: int, runtime_s: float | None = None) -> list[str]:
-        args = [a for a in super().args(path, rw, size, runtime_s) if not a.startswith("--filename=")]
-        if not self.direct:
-            args[args.index("--direct=1")] = "--direct=0"
-        if not self.allocate_first:
-            args.append("--fallocate=none")
-        jobs = [f"--directory={path}", "--filename_format=fio.$jobnum", f"--numjobs={self.jobs}", "--group_reporting"]
-        return args + jobs  # one report for all jobs: bytes summed, the longest job's runtime
 
 
 # ------------------------------------------------------------------------------------------------- the state
@@ -199,22 +178,6 @@ def warm_up(saved: dict, writer: FastPersistWriter, path: str) -> None:
     name, small = min(saved["model"].items(), key=lambda item: item[1].numel())
     dcp.save({"model": {name: small}}, storage_writer=writer, checkpoint_id=path)
     dcp.load({"model": {name: torch.empty_like(small)}}, storage_reader=FastPersistReader(path))
-
-
-def recycle(directory: str, nbytes: int, name: str = "recycled") -> None:
-    """Write ``nbytes`` into a file ``name`` in ``directory`` (a tmpfs) and remove it, so that the next write
-    there takes pages the guest used a moment ago. On a VM that hands free memory back to its host (free page
-    reporting), a page unused for a few seconds costs a host fault again at its next touch: 2 ranks' first save
-    into tmpfs ran at 0.7-1.4 GB/s and 1.2-2.6 CPU-s/GB, the same save after this at 2.8-2.9 GB/s and 0.65-0.68,
-    and fio, which wrote right after fp-dcp's files were removed, always had recycled pages. Every writer
-    measured on a tmpfs target (fp-dcp's ranks, one rank alone, fio) starts after this: they meet the same
-    memory."""
-    path = os.path.join(directory, name)
-    block = bytes(64 << 20)
-    with open(path, "wb") as f:
-        for _ in range(-(-nbytes // len(block))):
-            f.write(block)
-    os.unlink(path)
 
 
 def save_and_load(

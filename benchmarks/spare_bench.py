@@ -42,10 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama import GiB
-from node_bench import Jobs
 
 from fp_dcp import CheckpointManager
-from fp_dcp.tools.fio import reference
+from fp_dcp.tools.fio import Jobs, reference
 from fp_dcp.tools.workload import cpu_seconds, llm_state_dict, tensor_bytes
 
 

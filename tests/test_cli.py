@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import load, save
 
+from fp_dcp.io.device import filesystem_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.io.progress import progress_text
 from fp_dcp.tools import bench, bench_report, fio, plot
@@ -232,9 +233,9 @@ def test_verbose_shows_the_log(both, tmp_path, capsys):
 HUGE = fio.Fio(huge_page=2 * MiB)
 
 
-def fake_report(limit: fio.Fio | None = HUGE) -> dict:
+def fake_report(limit: fio.Fio | None = HUGE, tmpfs: str | None = None) -> dict:
     """``bench_report.report`` over made-up measurements: the real code path of the JSON, without minutes of I/O."""
-    methods = bench.build_methods({}, 1, [1, 2], "unused", limit)
+    methods = bench.build_methods({}, 1, [1, 2], "unused", limit, tmpfs)
     for i, m in enumerate(methods):
         if m.save is None:  # a reference for loads only: run() never saves with it
             m.loaded["fresh"].gbps, m.loaded["fresh"].cpu_per_gb = [1.5 + i], [2.0]
@@ -626,3 +627,58 @@ def test_fio_runs_from_huge_pages_where_it_can_and_gives_them_back(tmp_path):
             runner.run(str(tmp_path / "f" / "x"), "read", MiB)  # under a regular file
     assert wrote.bytes == read.bytes == 4 * MiB and wrote.gbps > 0 and read.gbps > 0
     assert (open(knob).read() if before is not None else None) == before
+
+
+def test_bench_saves_into_tmpfs_and_loads_back_against_fio_there(capsys):
+    r = fake_report(tmpfs="/memory")
+    jobs = fio.Jobs(jobs=bench.IOConfig().threads())
+    name = bench.tmpfs_fio_name(jobs.jobs)
+    methods, q = r["methods"], r["ratios"]
+    assert set(methods[bench.TMPFS]["loads"]) == {"touched"} and set(methods[name]["loads"]) == {"disk"}
+    assert q["tmpfs_save_vs_fio"] == pytest.approx(methods[bench.TMPFS]["save_gbps"] / methods[name]["save_gbps"])
+    expected = methods[bench.TMPFS]["loads"]["touched"]["gbps"] / methods[name]["loads"]["disk"]["gbps"]
+    assert q["tmpfs_load_touched_vs_fio"] == pytest.approx(expected)
+    assert r["bars"][f"tmpfs save >= 0.9 x {name}"] == (q["tmpfs_save_vs_fio"] >= 0.9)
+    bench_report.print_report(r, 3)
+    assert f"into tmpfs (memory; each writer after the pages were recycled): save = {q['tmpfs_save_vs_fio']:.2f} x" in (
+        capsys.readouterr().out
+    )
+    assert "tmpfs_save_vs_fio" not in fake_report()["ratios"]  # no tmpfs given: no rows
+
+
+def test_bench_tmpfs_rows_run_in_the_memory_directory_recycled_first_and_bit_exact(tmp_path, monkeypatch):
+    size = 4 * MiB
+    sd = {"w": torch.arange(size // 4, dtype=torch.float32)}
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    memory.mkdir()
+    disk.mkdir()
+    build, seen = bench.build_methods, []
+    recycle = bench.recycle
+    monkeypatch.setattr(bench, "recycle", lambda path, nbytes: (seen.append(os.listdir(path)), recycle(path, nbytes)))
+
+    def tmpfs_only(*args):
+        return [m for m in build(*args) if m.name == bench.TMPFS]
+
+    monkeypatch.setattr(bench, "llm_state_dict", lambda nbytes: sd)
+    monkeypatch.setattr(bench, "build_methods", tmpfs_only)
+    monkeypatch.setattr(bench, "report", lambda methods, *args: methods)
+    (m,) = bench.run(size / bench.GB, str(disk), 2, [1], str(memory))
+    assert seen == [[], []]  # recycled before each save, into the empty directory it then saves into
+    assert len(m.saved.gbps) == 2 and len(m.loaded["touched"].gbps) == 2  # the check ran after each: bit-exact
+    assert os.listdir(memory) == [] and os.listdir(disk) == []
+
+
+def test_bench_times_a_step_by_the_seconds_it_returns_else_by_the_call():
+    assert bench._watched(None, lambda path: 2.5, "x", [], []) == 2.5  # fio's own clock
+    assert bench._watched(None, lambda path: {"loaded": 1}, "x", [], []) < 1  # what torch.load returns: the call
+
+
+def test_bench_takes_a_tmpfs_with_room_for_the_state_only(tmp_path, capsys):
+    here = str(tmp_path)
+    tmpfs = filesystem_of(here) == "tmpfs"
+    assert bench.memory_directory(1, here) == (here if tmpfs else None)
+    if not tmpfs:
+        assert f"no tmpfs row ({here} is not a tmpfs)" in capsys.readouterr().err
+    if filesystem_of("/dev/shm") == "tmpfs":
+        assert bench.memory_directory(1 << 60) is None
+        assert "no tmpfs row (/dev/shm has less room than 2.5 x the state)" in capsys.readouterr().err

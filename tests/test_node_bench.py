@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from node_bench import Jobs, recycle, share_of
+from node_bench import share_of
 
+from fp_dcp.tools.fio import Jobs
+from fp_dcp.tools.workload import recycle
 from fp_dcp.units import MiB
 
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (make system-deps does it)")

@@ -32,7 +32,15 @@ slower than memory it has (``docs/benchmarks.md``).
 
 A save into fp-dcp's null sink (``IOConfig(engine="null")``: writes complete
 at once and store nothing, and no checkpoint is published) shows what the
-pipeline itself can do, with the disk out of the way.
+pipeline itself can do, with the disk out of the way. Where ``--tmpfs`` names
+a memory filesystem (default ``/dev/shm``, if it is one with room for the
+state), fp-dcp also saves there and loads back into touched targets (from
+memory: no cache to drop), against ``fio --numjobs=host_threads`` (buffered,
+its files not preallocated) writing and reading as many bytes there; every
+writer into tmpfs starts right after as many bytes were written there and
+removed (``workload.recycle``: on a VM, memory unused for a few seconds
+costs the host a fault at its next touch, and the two would otherwise meet
+different memory).
 
 Reported per method: median GB/s, CPU-seconds per GB (user + system, all
 threads), the growth of resident memory during the save (over the state dict
@@ -45,6 +53,7 @@ is visible on any disk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import mmap
 import os
@@ -63,14 +72,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .. import FastPersistReader, FastPersistWriter, IOConfig
-from ..io.device import disk_of
+from ..io.device import disk_of, filesystem_of
 from ..io.diskstats import DiskCounters
 from ..io.files import fsync_path
 from ..io.prefault import Prefaulter, populate_supported
 from ..units import MiB
-from .bench_report import DD, DISK, GB, MEMORY, NULL, TARGETS, print_report, report
-from .fio import Fio, reference
-from .workload import PeakRSS, cpu_seconds, evict, fresh_allocations, llm_state_dict, targets, tensor_bytes
+from .bench_report import DD, DISK, GB, MEMORY, NULL, TARGETS, TMPFS, print_report, report, tmpfs_fio_name
+from .fio import DEPTH, Fio, Jobs, reference
+from .workload import PeakRSS, cpu_seconds, evict, fresh_allocations, llm_state_dict, recycle, targets, tensor_bytes
+
+Step = Callable[[str], Any]  # a save or load of a path; a float it returns: the seconds it took by its own clock
 
 
 class Runs:
@@ -101,17 +112,22 @@ class Method:
     """A way to save, and the loads of what it saved: ``loads`` by target kind (``fresh``, ``touched``, or
     ``disk`` for a read that fills none); ``check`` runs after each load, untimed; ``child``: it runs as a
     child process, so its CPU time is the children's. ``beside``: by target kind, references timed right after
-    that load, before its check (its targets still held); a reference has no ``save`` and runs only there."""
+    that load, before its check (its targets still held); a reference has no ``save`` and runs only there.
+    ``place`` maps the path it is given in the benchmark's directory to where it writes instead (tmpfs);
+    ``prepare(path)`` runs before each save, off the clock. A step that returns seconds (fio's own clock) is
+    timed by them instead of by the call (a step may return anything else too: ``torch.load``)."""
 
     def __init__(
         self,
         name: str,
-        save: Callable[[str], None] | None,
-        loads: dict[str, Callable[[str], None]] | None = None,
+        save: Step | None,
+        loads: dict[str, Step] | None = None,
         check: Callable[[], None] | None = None,
         *,
         child: bool = False,
         beside: dict[str, Method] | None = None,
+        place: Callable[[str], str] | None = None,
+        prepare: Callable[[str], None] | None = None,
     ) -> None:
         self.name = name
         self.save = save
@@ -119,12 +135,16 @@ class Method:
         self.check = check
         self.child = child
         self.beside = beside or {}
+        self.place = place  # where its path in the work directory goes instead (tmpfs); None: there
+        self.prepare = prepare  # run before each save, untimed
         self.saved = Runs()
         self.peak_rss: list[int] = []
         self.loaded = {kind: Runs() for kind in self.loads}
 
 
-def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: str, fio: Fio | None) -> list[Method]:
+def build_methods(
+    sd: dict[str, Any], size: int, threads: list[int], workdir: str, fio: Fio | None, tmpfs: str | None = None
+) -> list[Method]:
     writer = FastPersistWriter(workdir)  # reused across saves, as in a training loop
     null_writer = FastPersistWriter(workdir, config=IOConfig(engine="null"))
     touched = targets(sd, "touched")  # one model, written before, loaded into again and again
@@ -186,6 +206,41 @@ def build_methods(sd: dict[str, Any], size: int, threads: list[int], workdir: st
     if fio is not None:
         methods.append(Method(fio.label, fio_run(fio, "write"), {DISK: fio_run(fio, "read")}, child=True))
     methods.append(Method(DD, dd, child=True))
+    if tmpfs is not None:
+        methods += tmpfs_methods(sd, size, tmpfs, fio, load_into("touched", FastPersistReader), check)
+    return methods
+
+
+def tmpfs_methods(
+    sd: dict[str, Any], size: int, tmpfs: str, fio: Fio | None, load: Callable[[str], None], check: Callable[[], None]
+) -> list[Method]:
+    """fp-dcp saving into ``tmpfs`` and loading into touched targets (``load``), and fio doing the same there."""
+    writer = FastPersistWriter(tmpfs)
+
+    def place(path: str) -> str:
+        return os.path.join(tmpfs, os.path.basename(path))
+
+    def save(path: str) -> None:
+        writer.reset(path)
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+
+    def recycled(path: str) -> None:
+        os.makedirs(path)
+        recycle(path, size)
+
+    methods = [Method(TMPFS, save, {"touched": load}, check=check, place=place, prepare=recycled)]
+    if fio is not None:
+        n = IOConfig().threads()
+        jobs = Jobs(fio.depth, fio.block, fio.huge_page, fio.why_plain, jobs=n, direct=False, allocate_first=False)
+        each = -(-size // jobs.jobs)
+
+        def fio_step(rw: str) -> Step:
+            return lambda path: jobs.run(path, rw, each).seconds  # fio's clock: its start-up left out
+
+        fio_loads = {DISK: fio_step("read")}
+        methods.append(
+            Method(tmpfs_fio_name(n), fio_step("write"), fio_loads, child=True, place=place, prepare=recycled)
+        )
     return methods
 
 
@@ -215,27 +270,34 @@ def first_touch(size: int) -> Callable[[str], None]:
     return touch
 
 
-def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dict[str, Any]:
+def run(size_gb: float, directory: str, repeats: int, threads: list[int], tmpfs: str | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # DCP warns that no process group is initialised
     sd = llm_state_dict(int(size_gb * GB))
     size = tensor_bytes(sd)
     workdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=directory)
+    memdir = tempfile.mkdtemp(prefix="fp-dcp-bench-", dir=tmpfs) if tmpfs else None
     rss = PeakRSS()
     disk = disk_of(workdir)
     try:
-        with reference() as fio:  # huge pages, where reserved, are given back when the run ends
-            methods = build_methods(sd, size, threads, workdir, fio)
+        # Huge pages, where reserved, are given back when the run ends; with tmpfs, for each of fio's jobs there
+        # and a block more each for the page of alignment fio adds.
+        with reference(depth=(DEPTH + 1) * IOConfig().threads() if memdir else DEPTH) as limit:
+            fio = dataclasses.replace(limit, depth=DEPTH) if limit else None
+            methods = build_methods(sd, size, threads, workdir, fio, memdir)
             for rep in range(repeats):
                 for i, m in enumerate(methods):
                     if m.save is None:
                         continue  # a reference, timed beside a load
                     path = os.path.join(workdir, f"{rep}-{i}")
+                    path, on = (m.place(path), None) if m.place else (path, disk)
+                    if m.prepare is not None:
+                        m.prepare(path)
                     with rss.watch():
-                        _measure(m, m.save, path, m.saved, size, disk)
+                        _measure(m, m.save, path, m.saved, size, on)
                     m.peak_rss.append(rss.peak - rss.start)
                     for kind, load in m.loads.items():
                         evict(path)
-                        _measure(m, load, path, m.loaded[kind], size, disk, reads=True)
+                        _measure(m, load, path, m.loaded[kind], size, on, reads=True)
                         if kind in m.beside:
                             ref = m.beside[kind]
                             _measure(ref, ref.loads[kind], path, ref.loaded[kind], size, None, reads=True)
@@ -250,12 +312,12 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int]) -> dic
                     )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if memdir:
+            shutil.rmtree(memdir, ignore_errors=True)
     return report(methods, size, directory, fio)
 
 
-def _measure(
-    m: Method, step: Callable[[str], None], path: str, runs: Runs, size: int, disk: str | None, *, reads: bool = False
-) -> None:
+def _measure(m: Method, step: Step, path: str, runs: Runs, size: int, disk: str | None, *, reads: bool = False) -> None:
     who = resource.RUSAGE_CHILDREN if m.child else resource.RUSAGE_SELF
     cpu = cpu_seconds(who)
     seconds = _watched(disk, step, path, runs.in_flight, runs.request_kib, reads=reads)
@@ -265,25 +327,38 @@ def _measure(
 
 def _watched(
     disk: str | None,
-    step: Callable[[str], None],
+    step: Step,
     path: str,
     in_flight: list[float],
     kib: list[float],
     *,
     reads: bool = False,
 ) -> float:
-    """Run ``step(path)`` and return its seconds; append the disk's requests in flight and their size (writes,
-    or ``reads``) over it, where ``/proc/diskstats`` has the disk."""
+    """Run ``step(path)`` and return its seconds (a float it returns, else the call's); append the disk's requests
+    in flight and their size (writes, or ``reads``) over it, where ``/proc/diskstats`` has the disk."""
     before = DiskCounters.read(disk)
     start = time.perf_counter()
-    step(path)
+    own = step(path)
     seconds = time.perf_counter() - start
     after = DiskCounters.read(disk)
     if before is not None and after is not None:
         depth, size = after.since(before, seconds, reads=reads)
         in_flight.append(depth)
         kib.append(size)
-    return seconds
+    return own if isinstance(own, float) else seconds  # other steps may return what they loaded or saved
+
+
+def memory_directory(nbytes: float, candidate: str = "/dev/shm") -> str | None:
+    """``candidate`` if it is a tmpfs with room for 2.5 x ``nbytes`` (a checkpoint, the pages recycled before a
+    write, and slack), else None, saying why on stderr."""
+    if not os.path.isdir(candidate) or filesystem_of(candidate) != "tmpfs":
+        print(f"fp-dcp bench: no tmpfs row ({candidate} is not a tmpfs)", file=sys.stderr)
+        return None
+    st = os.statvfs(candidate)
+    if st.f_bavail * st.f_frsize < 2.5 * nbytes:
+        print(f"fp-dcp bench: no tmpfs row ({candidate} has less room than 2.5 x the state)", file=sys.stderr)
+        return None
+    return candidate
 
 
 def main(argv: list[str] | None = None, prog: str = "fp-dcp bench") -> int:
@@ -292,6 +367,12 @@ def main(argv: list[str] | None = None, prog: str = "fp-dcp bench") -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory to write in (default: the temp dir)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each method, interleaved (default 3)")
     ap.add_argument("--threads", default="1,2,4", help="FileSystemWriter thread counts; the first is the baseline")
+    ap.add_argument(
+        "--tmpfs",
+        default="auto",
+        help="a memory filesystem to save into and load from too, against fio there; '' for none "
+        "(default auto: /dev/shm where it is a tmpfs with room for 2.5 times the state)",
+    )
     ap.add_argument("--json", help="also write the results as JSON to this file")
     ap.add_argument("--plot", metavar="PNG", help="also draw the GB/s bars into this PNG file (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -300,8 +381,9 @@ def main(argv: list[str] | None = None, prog: str = "fp-dcp bench") -> int:
         from .plot import plot_bench, require_matplotlib
 
         require_matplotlib()  # before the run, not after minutes of it
+    tmpfs = memory_directory(args.size_gb * GB) if args.tmpfs == "auto" else args.tmpfs or None
     fresh_allocations()  # every fresh target mapped afresh, as in a new process
-    result = run(args.size_gb, args.dir, args.repeats, threads)
+    result = run(args.size_gb, args.dir, args.repeats, threads, tmpfs)
     print_report(result, args.repeats)
     if args.json:
         with open(args.json, "w") as f:

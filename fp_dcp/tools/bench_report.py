@@ -13,7 +13,7 @@ from .fio import Fio
 if TYPE_CHECKING:
     from .bench import Method
 
-__all__ = ["GB", "DD", "NULL", "MEMORY", "DISK", "TARGETS", "report", "print_report"]
+__all__ = ["GB", "DD", "NULL", "MEMORY", "DISK", "TARGETS", "TMPFS", "tmpfs_fio_name", "report", "print_report"]
 
 GB = 1e9
 DD = "dd oflag=direct"
@@ -21,6 +21,11 @@ NULL = "fp-dcp, null sink"
 MEMORY = "fresh memory, first touch"
 DISK = "disk"  # a load that fills no targets: fio's read
 TARGETS = ("fresh", "touched")
+TMPFS = "fp-dcp, tmpfs"
+
+
+def tmpfs_fio_name(jobs: int) -> str:
+    return f"fio --numjobs={jobs}, tmpfs"
 
 
 def report(methods: list[Method], size: int, directory: str, fio: Fio | None) -> dict[str, Any]:
@@ -61,6 +66,10 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         ratios[f"load_{kind}_vs_filesystemreader"] = load("fp-dcp", kind) / load(fs1, kind)
         ratios[f"load_{kind}_vs_fio"] = load("fp-dcp", kind) / load(limit, DISK) if limit else None
         ratios[f"load_{kind}_cpu_s_per_gb"] = fp["loads"][kind]["cpu_s_per_gb"]
+    tmpfs_fio = next((name for name in rows if name.startswith("fio --numjobs=")), None)
+    if TMPFS in rows and tmpfs_fio is not None:  # a memory filesystem: the pipeline against fio, no disk between
+        ratios["tmpfs_save_vs_fio"] = save(TMPFS) / save(tmpfs_fio)
+        ratios["tmpfs_load_touched_vs_fio"] = load(TMPFS, "touched") / load(tmpfs_fio, DISK)
     if MEMORY in rows:  # fresh targets are bounded by the memory's first touch as well as by the disk
         first_touch = load(MEMORY, "fresh")
         ratios["load_fresh_vs_first_touch"] = load("fp-dcp", "fresh") / first_touch
@@ -81,6 +90,9 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         if limit:
             bars[f"load ({kind} targets) >= 0.95 x fio"] = q[f"load_{kind}_vs_fio"] >= 0.95
         bars[f"load ({kind} targets) CPU-s/GB <= 0.15"] = q[f"load_{kind}_cpu_s_per_gb"] <= 0.15
+    if "tmpfs_save_vs_fio" in q:
+        bars[f"tmpfs save >= 0.9 x {tmpfs_fio}"] = q["tmpfs_save_vs_fio"] >= 0.9
+        bars[f"tmpfs load (touched targets) >= 0.9 x {tmpfs_fio}"] = q["tmpfs_load_touched_vs_fio"] >= 0.9
     if "load_fresh_vs_slower_limit" in q:
         bars[f"load (fresh targets) >= 0.95 x {'min(fio, first touch)' if limit else 'first touch'}"] = (
             q["load_fresh_vs_slower_limit"] >= 0.95
@@ -164,6 +176,11 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         f"the pipeline alone (null sink: stores nothing) saves at {q['null_sink_vs_save']:.2f} x fp-dcp's save "
         "to this disk"
     )
+    if "tmpfs_save_vs_fio" in q:
+        print(
+            f"into tmpfs (memory; each writer after the pages were recycled): save = {q['tmpfs_save_vs_fio']:.2f} x "
+            f"fio, load into touched targets = {q['tmpfs_load_touched_vs_fio']:.2f} x fio"
+        )
     print("(+RSS: growth of this process's resident memory during the save, over the state dict it already holds;")
     print(" fresh targets: made just before the load and never written (torch.empty_like, to_empty()); touched:")
     print(" written before; first touch: as many bytes of fresh memory faulted in by the load's helper threads")
