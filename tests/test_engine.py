@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import errno
 import gc
+import itertools
 import logging
+import mmap
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import threading
 import time
@@ -506,3 +509,51 @@ def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkey
     maps = list(pool.maps)
     pool.close()
     assert all(m.closed for m in maps) and not [s for s in buffers._spares if s.size == 13 * 4096]
+
+
+class PuntSpy:
+    """A ring that records, for each write and read handed to it, whether it was punted to the kernel's workers."""
+
+    def __init__(self, ring) -> None:
+        self.ring, self.punted = ring, []
+
+    def __getattr__(self, name):
+        return getattr(self.ring, name)
+
+    def write(self, fd, view, offset, token, punt):
+        self.punted.append(punt)
+        return self.ring.write(fd, view, offset, token, punt)
+
+    def read(self, fd, view, offset, token, punt):
+        self.punted.append(punt)
+        return self.ring.read(fd, view, offset, token, punt)
+
+
+@pytest.mark.skipif(not _cio.HAVE_IO_URING, reason="built without liburing")
+def test_transfers_the_kernel_copies_go_to_its_workers_also_on_tmpfs_with_o_direct(tmp_path):
+    """A copy the kernel makes at submission runs in the submitting thread unless punted (IOSQE_ASYNC): a
+    buffered file's, and a tmpfs file's also where tmpfs takes O_DIRECT (Linux 6.6 on), are punted; a disk's
+    O_DIRECT file's are not. Loads from tmpfs, 2 GB into touched targets: 3.49 GB/s unpunted, 4.81 punted."""
+    directories = [tmp_path]
+    if os.path.isdir("/dev/shm") and files.in_memory("/dev/shm"):
+        directories.append(Path(tempfile.mkdtemp(dir="/dev/shm")))
+    try:
+        for directory, direct in itertools.product(directories, (False, None)):
+            uring = engine.UringEngine(IOConfig())
+            spy = uring.ring = PuntSpy(uring.ring)
+            path = str(directory / f"f-{direct}")
+            f = files.open_file(path, create=True, direct=direct)
+            data = memoryview(mmap.mmap(-1, 1 << 20))
+            try:
+                uring.wait(uring.write(f, data, 0))
+                back = files.open_file(path, create=False, direct=direct)
+                uring.wait(uring.read(back, data, 0))
+                back.close()
+            finally:
+                f.close()
+                uring.close()
+            assert f.copied == back.copied == (not f.direct or files.in_memory(str(directory)))
+            assert spy.punted == [f.copied, f.copied], f
+    finally:
+        for directory in directories[1:]:
+            shutil.rmtree(directory)

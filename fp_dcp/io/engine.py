@@ -191,12 +191,13 @@ class UringEngine(Engine):
             req = backlog.popleft()
             if req.view is None:
                 ring.fsync(req.file.fd, req)
-            # A page-cache transfer is a memory copy the kernel would run in this thread at submission;
-            # its workers run several at once (from tmpfs, a GPU load's reads then keep pace with the bus).
+            # A transfer the kernel copies (the page cache, tmpfs also with O_DIRECT) is a memory copy it would
+            # run in this thread at submission; its workers run several at once (from tmpfs, a GPU load's reads
+            # then keep pace with the bus).
             elif req.is_write:
-                ring.write(req.file.fd, req.view, req.offset, req, not req.file.direct)
+                ring.write(req.file.fd, req.view, req.offset, req, req.file.copied)
             else:
-                ring.read(req.file.fd, req.view, req.offset, req, not req.file.direct)
+                ring.read(req.file.fd, req.view, req.offset, req, req.file.copied)
         self._complete(ring.wait(0))
 
     def _complete(self, completions: list[tuple[_Request, int]]) -> None:

@@ -44,16 +44,19 @@ class DataFile:
     ``align`` is the alignment direct transfers keep to, for memory
     addresses, file offsets and lengths: what the kernel needs for O_DIRECT,
     and for files being written the filesystem's block too, up to a page
-    (1 for buffered files).
+    (1 for buffered files). ``copied``: the kernel copies every byte moved
+    (no device does): the file is buffered, or in memory (tmpfs, also with
+    O_DIRECT).
     """
 
-    __slots__ = ("path", "fd", "direct", "align")
+    __slots__ = ("path", "fd", "direct", "align", "copied")
 
     def __init__(self, path: str, fd: int, direct: bool, align: int) -> None:
         self.path = path
         self.fd = fd
         self.direct = direct
         self.align = align
+        self.copied = not direct or in_memory(os.path.dirname(path) or ".")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -133,7 +136,17 @@ def probe_file(directory: str, direct: bool | None) -> DataFile:
 
 
 _COPIES_BY_DEVICE: dict[int, bool] = {}  # st_dev: whether the kernel copies what is written there
+_MEMORY_BY_DEVICE: dict[int, bool] = {}  # st_dev: whether it is a memory filesystem
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def in_memory(directory: str) -> bool:
+    """Whether ``directory`` (which exists) is on a memory filesystem (tmpfs, ramfs). Asked once per device and
+    process."""
+    device = os.stat(directory).st_dev
+    if device not in _MEMORY_BY_DEVICE:
+        _MEMORY_BY_DEVICE[device] = filesystem_of(directory) in _MEMORY_FILESYSTEMS
+    return _MEMORY_BY_DEVICE[device]
 
 
 def kernel_copies(directory: str, direct: bool | None) -> bool:
@@ -141,17 +154,14 @@ def kernel_copies(directory: str, direct: bool | None) -> bool:
     go through the page cache (``direct`` False, or a filesystem that refuses O_DIRECT), or the filesystem is
     memory (tmpfs, which takes O_DIRECT from Linux 6.6 on and copies then too). Asked once per device and
     process."""
-    if direct is False:
+    if direct is False or in_memory(directory):
         return True
     device = os.stat(directory).st_dev
     if device not in _COPIES_BY_DEVICE:
-        if filesystem_of(directory) in _MEMORY_FILESYSTEMS:
-            _COPIES_BY_DEVICE[device] = True
-        else:
-            try:
-                _COPIES_BY_DEVICE[device] = not probe_file(directory, direct).direct
-            except OSError:
-                return False  # direct=True where the filesystem refuses: the save itself says so
+        try:
+            _COPIES_BY_DEVICE[device] = not probe_file(directory, direct).direct
+        except OSError:
+            return False  # direct=True where the filesystem refuses: the save itself says so
     return _COPIES_BY_DEVICE[device]
 
 
