@@ -31,6 +31,7 @@ from .save.summary import SaveSummary
 from .save.writer import FastPersistWriter
 from .training.manager import CheckpointManager, StepInfo, list_steps
 from .training.overlap import OverlappedCheckpointer
+from .training.retention import clean_unfinished, unfinished
 from .training.steps import remove_leftovers
 
 __version__ = "0.1.0"
@@ -52,6 +53,8 @@ __all__ = [
     "StepInfo",
     "list_steps",
     "remove_leftovers",
+    "clean_unfinished",
+    "unfinished",
     "install",
     "uninstall",
     "installed",

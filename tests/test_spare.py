@@ -9,10 +9,12 @@ import torch.distributed.checkpoint as dcp
 from conftest import load
 from dist_util import run_ranks
 
-from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, list_steps, verify_checkpoint
+from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, list_steps, unfinished, verify_checkpoint
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io.files import kernel_copies
+from fp_dcp.save.commit import SaveLock
 from fp_dcp.save.spare import SPARE_NAME
+from fp_dcp.tools.cli import main
 
 COPIED = IOConfig(direct_io=False)  # the page cache: the kernel copies every byte, as into tmpfs
 
@@ -141,3 +143,23 @@ def test_each_rank_takes_its_own_files(tmp_path):
         assert seen[rank][3] == seen[rank][1] and seen[rank][1]
     assert not seen[0][1] & seen[1][1]
     assert verify_checkpoint(os.path.join(root, "step-3")).ok
+
+
+def test_ls_names_a_spare_and_clean_removes_it_but_not_while_a_manager_has_the_root(tmp_path, capsys):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=5, asynchronous=False, config=COPIED) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_at(step))
+    os.rename(root / "step-1", root / SPARE_NAME)  # as a pruning leaves it, the manager then killed
+    assert unfinished(root) == [SPARE_NAME]
+    assert main(["ls", str(root)]) == 0
+    assert (
+        "not checkpoints: .spare (.spare: a pruned step whose files the next save overwrites" in capsys.readouterr().out
+    )
+    lock = SaveLock(str(root))  # a manager has the root open: its next save may be taking the spare's files
+    assert main(["ls", str(root), "--clean"]) == 1
+    assert (root / SPARE_NAME).is_dir()
+    lock.release()
+    assert main(["ls", str(root), "--clean"]) == 0
+    assert f"{root}: removed .spare" in capsys.readouterr().err
+    assert unfinished(root) == [] and sorted(os.listdir(root)) == [".lock", "step-2"]

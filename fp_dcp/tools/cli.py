@@ -28,7 +28,16 @@ from typing import TextIO
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import SafetensorsVerifyReport, VerifyReport, __version__, list_steps, remove_leftovers, verify_checkpoint
+from .. import (
+    SafetensorsVerifyReport,
+    VerifyReport,
+    __version__,
+    clean_unfinished,
+    list_steps,
+    remove_leftovers,
+    unfinished,
+    verify_checkpoint,
+)
 from ..io.progress import progress_text
 from ..units import MiB
 from . import bench
@@ -135,6 +144,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             if s.leftovers:
                 removed = remove_leftovers(s.path)
                 print(f"{s.path}: removed {plural(len(removed), 'leftover file')}", file=sys.stderr)
+        if unfinished(args.root):
+            print(f"{args.root}: removed {', '.join(clean_unfinished(args.root))}", file=sys.stderr)
         steps = list_steps(args.root, verify=args.verify)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in steps], indent=2))
@@ -152,6 +163,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(f"{args.root}: {plural(len(steps), 'step')}")
         if any(s.leftovers for s in steps):
             print("leftovers: a save that died, or the replaced files of an overwrite cut short; --clean removes them")
+        if unfinished(args.root):
+            print(
+                f"not checkpoints: {', '.join(unfinished(args.root))} (.spare: a pruned step whose files the next save "
+                "overwrites; .deleting-*: a removal cut short); the manager removes them when it opens the root, "
+                "--clean now"
+            )
     return 0 if all(s.status != "corrupt" for s in steps) else 1
 
 
@@ -306,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every checksum of every step (reads all data)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
-        "--clean", action="store_true", help="remove the leftover data files of published steps (not while a save runs)"
+        "--clean",
+        action="store_true",
+        help="remove the leftover data files of published steps, and what a pruning left in the root (.spare, "
+        ".deleting-*); not while a save or a manager runs",
     )
     p.set_defaults(run=_cmd_ls)
 

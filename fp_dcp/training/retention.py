@@ -33,10 +33,11 @@ from ..errors import CheckpointError
 from ..format import METADATA_NAME, RETIRED_NAME
 from ..io.files import fsync_directory, write_durably
 from ..log import log
+from ..save.commit import SaveLock
 from ..save.spare import SPARE_NAME
 from .steps import own_files, step_directories, step_directory, step_state
 
-__all__ = ["Retention", "finish_deletions", "remove_spare", "user_of"]
+__all__ = ["Retention", "clean_unfinished", "finish_deletions", "remove_spare", "unfinished", "user_of"]
 
 _DELETING = ".deleting-"
 
@@ -177,6 +178,26 @@ def finish_deletions(root: str) -> None:
             with contextlib.suppress(FileNotFoundError):  # a retirement cut short before its .metadata went
                 os.unlink(os.path.join(root, name, METADATA_NAME))
                 fsync_directory(os.path.join(root, name))
+
+
+def unfinished(root: str | os.PathLike[str]) -> list[str]:
+    """The entries of a run's root that a pruning left: ``.spare`` (for the next save) and ``.deleting-*`` (a
+    removal cut short). Neither is a checkpoint; the manager removes both when it opens the root."""
+    return sorted(n for n in os.listdir(root) if n == SPARE_NAME or n.startswith(_DELETING))
+
+
+def clean_unfinished(root: str | os.PathLike[str]) -> list[str]:
+    """Remove what ``unfinished`` names (and finish retirements cut short), under the root's lock, as a manager
+    opening the root does; returns the names removed. Raises ``CheckpointBusyError`` while a manager has the
+    root open (its next save may be taking the spare's files)."""
+    root = os.fspath(root)
+    lock = SaveLock(root)
+    try:
+        names = unfinished(root)
+        finish_deletions(root)
+        return names
+    finally:
+        lock.release()
 
 
 def _remove(root: str, trash: str) -> None:
