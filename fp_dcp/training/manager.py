@@ -221,6 +221,7 @@ class CheckpointManager:
             else None
         )
         self.root = self.tiers.root if self.tiers is not None else root
+        self.writer.spare = os.path.join(self.root, SPARE_NAME) if reuse_files else None
         if self._housekeeper:
             os.makedirs(self.root, exist_ok=True)
             try:
@@ -288,7 +289,6 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         last = self._last_step
         self.writer.base = step_directory(self.root, last) if self.incremental and last is not None else None
-        self.writer.spare = os.path.join(self.root, SPARE_NAME) if self.reuse_files else None
         if synchronous:
             path = step_directory(self.root, step)
             dcp.save(state, checkpoint_id=path, storage_writer=self.writer, process_group=self.process_group)
