@@ -211,6 +211,11 @@ def build_methods(
     return methods
 
 
+def tmpfs_fio_jobs() -> int:
+    """fio's jobs on tmpfs: as many as fp-dcp's host threads, which copy there in parallel."""
+    return IOConfig().threads()
+
+
 def tmpfs_methods(
     sd: dict[str, Any], size: int, tmpfs: str, fio: Fio | None, load: Callable[[str], None], check: Callable[[], None]
 ) -> list[Method]:
@@ -230,7 +235,7 @@ def tmpfs_methods(
 
     methods = [Method(TMPFS, save, {"touched": load}, check=check, place=place, prepare=recycled)]
     if fio is not None:
-        n = IOConfig().threads()
+        n = tmpfs_fio_jobs()
         jobs = Jobs(fio.depth, fio.block, fio.huge_page, fio.why_plain, jobs=n, direct=False, allocate_first=False)
         each = -(-size // jobs.jobs)
 
@@ -281,7 +286,7 @@ def run(size_gb: float, directory: str, repeats: int, threads: list[int], tmpfs:
     try:
         # Huge pages, where reserved, are given back when the run ends; with tmpfs, for each of fio's jobs there
         # and a block more each for the page of alignment fio adds.
-        with reference(depth=(DEPTH + 1) * IOConfig().threads() if memdir else DEPTH) as limit:
+        with reference(depth=(DEPTH + 1) * tmpfs_fio_jobs() if memdir else DEPTH) as limit:
             fio = dataclasses.replace(limit, depth=DEPTH) if limit else None
             methods = build_methods(sd, size, threads, workdir, fio, memdir)
             for rep in range(repeats):

@@ -163,9 +163,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(f"{args.root}: {plural(len(steps), 'step')}")
         if any(s.leftovers for s in steps):
             print("leftovers: a save that died, or the replaced files of an overwrite cut short; --clean removes them")
-        if unfinished(args.root):
+        others = unfinished(args.root)
+        if others:
             print(
-                f"not checkpoints: {', '.join(unfinished(args.root))} (.spare: a pruned step whose files the next save "
+                f"not checkpoints: {', '.join(others)} (.spare: a pruned step whose files the next save "
                 "overwrites; .deleting-*: a removal cut short); the manager removes them when it opens the root, "
                 "--clean now"
             )

@@ -171,10 +171,10 @@ def remove_spare(root: str) -> None:
 
 def finish_deletions(root: str) -> None:
     """Finish what removals and retirements cut short by a crash left in ``root``."""
+    for name in unfinished(root):
+        _remove(root, os.path.join(root, name))
     for name in os.listdir(root):
-        if name.startswith(_DELETING) or name == SPARE_NAME:
-            _remove(root, os.path.join(root, name))
-        elif os.path.exists(os.path.join(root, name, RETIRED_NAME)):
+        if os.path.exists(os.path.join(root, name, RETIRED_NAME)):
             with contextlib.suppress(FileNotFoundError):  # a retirement cut short before its .metadata went
                 os.unlink(os.path.join(root, name, METADATA_NAME))
                 fsync_directory(os.path.join(root, name))
