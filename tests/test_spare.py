@@ -163,3 +163,22 @@ def test_ls_names_a_spare_and_clean_removes_it_but_not_while_a_manager_has_the_r
     assert main(["ls", str(root), "--clean"]) == 0
     assert f"{root}: removed .spare" in capsys.readouterr().err
     assert unfinished(root) == [] and sorted(os.listdir(root)) == [".lock", "step-2"]
+
+
+def test_a_spare_file_goes_only_where_the_save_writes_one(tmp_path):
+    """A save dealing fewer items than it has file names takes as many spare files as it writes files; the rest
+    stay in the spare for its removal, none pass through the new checkpoint."""
+    spare, path = tmp_path / "spare", tmp_path / "new"
+    four = {f"w{i}": torch.randn(200, 301) for i in range(4)}
+    dcp.save(four, storage_writer=FastPersistWriter(spare, lanes_per_dir=4, config=COPIED))
+    before = inodes(spare)
+    assert len(before) == 4
+    one = {"w": torch.randn(300, 301)}
+    dcp.save(one, storage_writer=FastPersistWriter(path, lanes_per_dir=4, config=COPIED, spare=spare))
+    (name,) = open_checkpoint(path).own_files()
+    assert [n for n in os.listdir(path) if n.endswith(".distcp")] == [name]
+    left = {os.stat(p).st_ino for p in open_checkpoint(spare).own_files().values() if os.path.exists(p)}
+    assert inodes(path) < before and left == before - inodes(path)  # one taken, three left where they were
+    load_into = {"w": torch.empty(300, 301)}
+    load(load_into, path)
+    assert torch.equal(load_into["w"], one["w"])

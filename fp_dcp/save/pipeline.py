@@ -26,7 +26,7 @@ import io
 import itertools
 import mmap
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -136,12 +136,13 @@ def write_files(
     copier: DeviceCopier,
     incremental: Incremental | None = None,
     checksummer: Checksummer | None = None,
-    reused: Collection[str] = (),
+    reuse: Callable[[list[str]], Collection[str]] | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
 
-    The files at ``paths`` in ``reused`` exist (taken over from a retired
-    checkpoint, ``fp_dcp.save.spare``) and are overwritten instead.
+    ``reuse`` is given the paths that get items and puts files there (taken
+    over from a retired checkpoint, ``fp_dcp.save.spare``); it returns those
+    it put, which are overwritten instead of made.
 
     Returns the items' results, whose ``storage_data`` is (an ``ItemLocation``
     as a tuple, whether it is a reference into the incremental base).
@@ -169,6 +170,7 @@ def write_files(
             it.offset = offset
         plans.append((path, items, size))
 
+    reused = reuse([path for path, _, _ in plans]) if reuse is not None else ()
     directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer, reused)
 
     results = []

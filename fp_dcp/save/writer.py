@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import threading
@@ -299,13 +300,15 @@ class FastPersistWriter(StorageWriter):
         engine, pool = self._io.get(2 * count)
         names = [data_file_name(self.rank, k, self._token) for k in range(count)]
         paths = [os.path.join(self.placement.directory_of(k), name) for k, name in enumerate(names)]
-        reused = take_spares(os.fspath(self.spare), self.rank, paths) if self.spare and engine.stores else set()
+        reuse = None
+        if self.spare and engine.stores:
+            reuse = functools.partial(take_spares, os.fspath(self.spare), self.rank)
         copier = self._staging.copier(staged.ready if staged else None)
         threads = min(self.config.io_threads, os.cpu_count() or 1)
         incremental = Incremental(self._base, threads) if self.incremental else None
         checksummer = self._io.checksummer
         results, written = write_files(
-            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, checksummer, reused
+            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, checksummer, reuse
         )
         for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them
