@@ -459,23 +459,64 @@ def test_a_closed_pools_buffers_serve_the_next_pool_of_its_shape():
         p.close()
 
 
-def test_a_dropped_pool_is_parked_and_expires_and_a_registered_one_is_not_parked(monkeypatch):
+def _expired(spare: buffers._Spare) -> bool:
+    deadline = time.monotonic() + 10
+    while spare in buffers._spares and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return spare not in buffers._spares and all(m.closed for m in spare.maps)
+
+
+def test_a_dropped_pool_is_parked_and_expires(monkeypatch):
     monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
     gc.collect()  # no other pool's finalizer runs below: one set waits, the newest
     pool = BufferPool(7 * 4096, 2)
     del pool  # nobody closed it: its finalizer parks the buffers
     (spare,) = [s for s in buffers._spares if s.size == 7 * 4096]
-    deadline = time.monotonic() + 10
-    while spare in buffers._spares and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert spare not in buffers._spares and all(m.closed for m in spare.maps)  # past the wait: unmapped
+    assert _expired(spare)  # past the wait: unmapped
+
+
+def test_registered_buffers_wait_registered_for_the_next_pool_and_are_undone_before_they_go(monkeypatch):
+    """A reader made anew for each GPU load takes page-locked buffers, not fresh memory to register again."""
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.5)
+    gc.collect()
     undone = []
     pool = BufferPool(9 * 4096, 2)
-    pool.before_unmap(lambda: undone.append("unregistered"))
+    pool.register("ledger", "all of them", lambda: undone.append("unregistered"))
     maps = list(pool.maps)
     pool.close()
-    assert undone == ["unregistered"] and all(m.closed for m in maps)  # registered once: unmapped, not parked
-    assert not [s for s in buffers._spares if s.size == 9 * 4096]
+    assert undone == [] and not any(m.closed for m in maps)  # waiting, still registered
+    again = BufferPool(9 * 4096, 2)
+    assert again.maps == maps and again.registration("ledger") == "all of them" and again.registration("x") is None
+    del again  # nobody closed it: parked again, registration and all
+    (spare,) = [s for s in buffers._spares if s.size == 9 * 4096]
+    assert undone == [] and _expired(spare)
+    assert undone == ["unregistered"]  # undone once, before the unmap
+    pool = BufferPool(9 * 4096, 2)
+    assert pool.registration("ledger") is None  # fresh memory: nothing registered it
+    pool.register("ledger", True, lambda: undone.append("again"))
+    pool.close()
+    buffers.release_spares()  # at once, not at the end of the wait
+    assert undone == ["unregistered", "again"] and not buffers._spares
+
+
+def test_a_forked_child_forgets_the_registrations_of_waiting_buffers(monkeypatch):
+    """A registration belongs to the process that made it (CUDA's context): a child neither undoes nor trusts it."""
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 30)
+    undone = []
+    pool = BufferPool(17 * 4096, 1)
+    pool.register("ledger", True, lambda: undone.append("unregistered"))
+    pool.close()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if it took the buffers unregistered and undid nothing
+        child = BufferPool(17 * 4096, 1)
+        buffers.release_spares()
+        os._exit(0 if child.registration("ledger") is None and undone == [] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    (spare,) = [s for s in buffers._spares if s.size == 17 * 4096]
+    assert "ledger" in spare.registrations  # the parent's stays
+    buffers.release_spares()
+    assert undone == ["unregistered"]
 
 
 def test_a_pools_finalizer_starts_no_thread(monkeypatch):
@@ -499,10 +540,13 @@ def test_a_pools_finalizer_starts_no_thread(monkeypatch):
 
 def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkeypatch):
     pool = BufferPool(11 * 4096, 1)
+    undone = []
+    pool.register("ledger", True, lambda: undone.append("unregistered"))
     held = pool.views[0][:4]  # a slice someone kept
     held[:] = b"mine"
     pool.close()
     assert not [s for s in buffers._spares if s.size == 11 * 4096]
+    assert undone == ["unregistered"]  # it cannot wait for a pool: no registration may outlive the pool's end
     assert bytes(held) == b"mine"  # its memory stays the slice's
     monkeypatch.setattr(buffers, "SPARE_SECONDS", 0)
     pool = BufferPool(13 * 4096, 1)

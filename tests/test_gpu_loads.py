@@ -7,6 +7,7 @@ page-locking through the CUDA runtime double), and on CUDA where there is a devi
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import pytest
@@ -18,7 +19,7 @@ from dist_util import run_ranks
 
 import fp_dcp.io.buffers
 import fp_dcp.load.reader
-from fp_dcp import IOConfig
+from fp_dcp import IOConfig, _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.gpu import cudart
 from fp_dcp.gpu.loading import DeviceLoads
@@ -61,6 +62,27 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     assert max(copies) <= SMALL.buffer_size  # ...out of staging buffers, no whole-item intermediate
     pool = reader._io.get()[1]
     assert all(gpu.page_locked(view) for view in pool.views)
+
+
+def test_readers_made_anew_for_each_gpu_load_take_page_locked_buffers(tmp_path, gpu):
+    """As the README loads: a reader per load. The second and third find the first one's buffers page-locked,
+    instead of faulting in fresh memory and registering it again."""
+    state = host_state()
+    save(state, tmp_path / "ck")
+    seen = []
+    for _ in range(3):
+        target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+        reader = gpu.reader(tmp_path / "ck", config=SMALL)
+        dcp.load(target, storage_reader=reader)
+        assert all(same_bytes(target[k].cpu(), v) for k, v in state.items())
+        pool = reader._io.get()[1]
+        assert all(gpu.page_locked(view) for view in pool.views)
+        seen.append([_cio.address(view) for view in pool.views])
+        del reader, pool
+        gc.collect()
+    assert seen[0] == seen[1] == seen[2]
+    if gpu.double is not None:
+        assert gpu.double.registrations == SMALL.num_buffers  # registered once, by the first load
 
 
 def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
@@ -125,6 +147,7 @@ def _load_shared_into_device(rank: int, world: int, path: str) -> bool:
         dcp.load(target, storage_reader=reader)
         exact = all(torch.equal(target[k], v) for k, v in expected.items())
         reader.close()
+        fp_dcp.io.buffers.release_spares()  # its buffers wait page-locked for the next reader: let them go
     return exact and reader.last_load.received_bytes > 0 and double.problems() == []
 
 

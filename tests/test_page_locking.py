@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -48,13 +52,49 @@ def test_the_double_keeps_the_runtimes_rules(cuda_double, monkeypatch):
     rt.registered.clear(), rt.unmapped.clear(), rt.failed.clear(), rt.cudaGetLastError()
 
 
-def test_a_pool_is_page_locked_once_and_unlocked_before_it_is_unmapped(cuda_double):
+def test_buffers_are_page_locked_once_and_unlocked_before_they_are_unmapped(cuda_double):
     pool = BufferPool(65536, 3)
     assert page_lock(pool) and page_lock(pool)  # the second call finds it locked: nothing registered twice
     assert cuda_double.registrations == 3 and all(cuda_double.is_registered(v) for v in pool.views)
     del pool
-    gc.collect()  # nobody closed it: its finalizer unlocks, then unmaps
+    gc.collect()  # nobody closed it: its buffers wait for the next pool, still page-locked
+    again = BufferPool(65536, 3)
+    assert page_lock(again) and cuda_double.registrations == 3  # taken locked: not registered again
+    assert all(cuda_double.is_registered(v) for v in again.views)
+    again.close()
+    fp_dcp.io.buffers.release_spares()  # the wait cut short: unlocked, then unmapped
     assert cuda_double.registered == {} and cuda_double.unmapped == []
+
+
+def test_buffers_waiting_page_locked_are_unlocked_at_interpreter_exit():
+    """Before torch's exit handlers, and before module teardown unmaps them: no registration outlives its memory."""
+    script = textwrap.dedent(
+        """
+        import atexit
+        seen = {}
+        # Registered first, so it runs last: after fp-dcp's handler.
+        atexit.register(lambda: print("problems:", seen["double"].problems(), flush=True))
+        from cuda_double import CudaRuntimeDouble
+        import fp_dcp.io.buffers as buffers
+        from fp_dcp.gpu import cudart
+        from fp_dcp.gpu.memory import page_lock
+        seen["double"] = double = CudaRuntimeDouble()
+        buffers._allocate = double.tracking(buffers._allocate)
+        using = cudart.use(double)  # kept: the runtime stays the double until exit
+        using.__enter__()
+        pool = buffers.BufferPool(65536, 2)
+        assert page_lock(pool)
+        pool.close()
+        kept = buffers.BufferPool(8192, 1)  # alive at exit: its finalizer runs after fp-dcp's handler
+        assert page_lock(kept)
+        print("waiting:", len(double.registered), flush=True)
+        """
+    )
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "waiting: 3" in done.stdout and "problems: []" in done.stdout, done.stdout + done.stderr
 
 
 def _cycle(i: int, root, state: dict, config: IOConfig, monkeypatch) -> None:
@@ -103,6 +143,8 @@ def test_dropped_writers_leave_nothing_registered_and_no_error_behind(tmp_path, 
         gc.collect()
     if gpu.double is not None:
         assert gpu.double.registrations >= 100  # page-locking happened, through the double
+        assert len(gpu.double.registered) <= SMALL_POOL.num_buffers  # only the one set waiting for a pool
+        fp_dcp.io.buffers.release_spares()
         assert gpu.double.problems() == []
     else:
         x = torch.randn(1 << 20, device="cuda")  # the launch that tripped over fp-dcp's error before

@@ -5,7 +5,9 @@ asynchronously at full bus speed; fp-dcp page-locks memory it owns and
 reuses (the writer's staging buffers, the snapshot arena, gather landing
 areas), never one fresh copy per save. Every page-locked byte belongs to a
 ``BufferPool``, which undoes the registration before it unmaps the buffer,
-whatever ends the pool; a pool is page-locked at most once. A ``SideStream``
+whatever ends it; buffers are page-locked at most once, and stay so while
+they wait for the next pool of their shape (``io.buffers``): a reader made
+anew for each GPU load takes them page-locked. A ``SideStream``
 is a device's dedicated CUDA stream plus the scratch memory a gather needs
 on it; for a CPU "device" (tests route CPU tensors through the same code) it
 has no stream and copies are synchronous.
@@ -14,7 +16,6 @@ has no stream and copies are synchronous.
 from __future__ import annotations
 
 import functools
-import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -28,20 +29,20 @@ from . import cudart
 
 __all__ = ["page_lock", "HostArea", "SideStream"]
 
-# Pools page-locked in this process, and whether every buffer of each is: each is registered once.
-_LOCKED: weakref.WeakKeyDictionary[BufferPool, bool] = weakref.WeakKeyDictionary()
+_PAGE_LOCKED = "cudaHostRegister"  # the pool's registration: whether every buffer is page-locked
 
 
 def page_lock(pool: BufferPool) -> bool:
-    """Page-lock ``pool``'s buffers for the rest of its life; whether all of them are.
+    """Page-lock ``pool``'s buffers for the rest of their life (later pools that take them find them so);
+    whether all of them are.
 
     Where the runtime refuses (memory limits, a range registered by someone
     else), the rest stay pageable: copies into them still work, synchronously
     and slower, and one warning says why. A save never fails for it.
     """
-    locked = _LOCKED.get(pool)
-    if locked is not None:
-        return locked
+    earlier = pool.registration(_PAGE_LOCKED)
+    if earlier is not None:
+        return bool(earlier)
     rt = cudart.runtime()
     addresses = []
     locked = True
@@ -54,8 +55,7 @@ def page_lock(pool: BufferPool) -> bool:
             locked = False
             break
         addresses.append(address)
-    pool.before_unmap(functools.partial(_unlock, rt, addresses))
-    _LOCKED[pool] = locked
+    pool.register(_PAGE_LOCKED, locked, functools.partial(_unlock, rt, addresses))
     return locked
 
 

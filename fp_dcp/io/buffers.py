@@ -18,19 +18,25 @@ wait ``SPARE_SECONDS`` for the next pool of the same shape, which takes
 them as they are instead of faulting in fresh memory: a reader made anew for
 each load, as the README's example makes one, then starts with warm
 buffers (128 MiB: 15 ms instead of 57-240 ms of CPU here). One set waits
-at a time; past the wait one daemon thread a process unmaps it. Buffers
-something registered (page-locked for GPU copies) are unmapped as before.
+at a time; past the wait one daemon thread a process unmaps it.
 
 Whoever registers the buffers somewhere that outlives a mapping (CUDA's
-page-locking) says how to undo it with ``before_unmap``: the pool runs that
-before it unmaps, whatever ends it (``close``, garbage collection of a pool
-nobody closed, interpreter exit), so no registration ever outlives its memory.
+page-locking) records it with ``register``: the registration stays with the
+buffers, also while they wait and in the next pool that takes them (a GPU
+load through a reader made anew then finds its buffers page-locked, not
+fresh memory to fault in and register again), and its undo runs before they
+are unmapped, whatever ends them (``close`` of a pool whose buffers cannot
+wait, the end of the wait, garbage collection, interpreter exit), so no
+registration ever outlives its memory. A child made by ``fork`` forgets the
+registrations of the sets waiting: they are its parent's.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
+import os
 import queue
 import threading
 import time
@@ -39,7 +45,7 @@ from collections.abc import Callable
 
 from ..units import PAGE
 
-__all__ = ["BufferPool", "SPARE_SECONDS"]
+__all__ = ["BufferPool", "SPARE_SECONDS", "release_spares"]
 
 SPARE_SECONDS = 30.0  # how long a closed pool's buffers wait for the next pool of their shape; 0: not at all
 
@@ -84,40 +90,51 @@ class BufferPool:
         _start_reaper()
         spare = _take_spare(size, count)
         if spare is not None:
-            self.maps, asked = spare.maps, spare.asked
+            self.maps, asked, self._registrations = spare.maps, spare.asked, spare.registrations
         else:
             allocated = [_allocate(size) for _ in range(count)]
             self.maps, asked = [m for m, _ in allocated], all(a for _, a in allocated)
+            self._registrations = {}
         self.huge = _huge_pages_enabled() and asked
         self.views = [memoryview(m) for m in self.maps]
         self.free: list[memoryview] = list(self.views)
-        self._undo: list[Callable[[], None]] = []
         # Holds the mappings (not the pool): they stay mapped until it has run.
-        self._release = weakref.finalize(self, _retire, size, self.maps, self.views, self._undo, asked)
+        self._release = weakref.finalize(self, _retire, size, self.maps, self.views, self._registrations, asked)
 
     @property
     def count(self) -> int:
         return len(self.maps)
 
-    def before_unmap(self, undo: Callable[[], None]) -> None:
-        """Have ``undo`` run before the buffers are unmapped (it must not refer to the pool)."""
-        self._undo.append(undo)
+    def register(self, name: str, state: object, undo: Callable[[], None]) -> None:
+        """Record that ``name`` registered the buffers somewhere that outlives a mapping, with ``state`` (what it
+        needs to know later, ``registration``) and ``undo``, which runs before the buffers are unmapped (it must
+        not refer to the pool)."""
+        self._registrations[name] = (state, undo)
+
+    def registration(self, name: str) -> object | None:
+        """The state ``name`` registered these buffers with, also in an earlier pool; None where it did not."""
+        entry = self._registrations.get(name)
+        return None if entry is None else entry[0]
 
     def close(self) -> None:
-        """Run the ``before_unmap`` calls, then leave the buffers to the next pool of this shape for a while
-        (``SPARE_SECONDS``); where anything still references one, unmap them (that one goes with its
-        last reference)."""
+        """Leave the buffers, and what registered them, to the next pool of this shape for a while
+        (``SPARE_SECONDS``); where anything still references one, undo the registrations and unmap them
+        (that one goes with its last reference)."""
         self.free.clear()
         self._release()
 
 
+Registrations = dict[str, tuple[object, Callable[[], None]]]
+
+
 class _Spare:
-    """A closed pool's buffers, mapped and populated, registered nowhere, waiting for the next pool."""
+    """A closed pool's buffers, mapped and populated, waiting for the next pool with their registrations."""
 
-    __slots__ = ("size", "maps", "asked")
+    __slots__ = ("size", "maps", "asked", "registrations")
 
-    def __init__(self, size: int, maps: list[mmap.mmap], asked: bool) -> None:
+    def __init__(self, size: int, maps: list[mmap.mmap], asked: bool, registrations: Registrations) -> None:
         self.size, self.maps, self.asked = size, maps, asked  # asked: whether huge pages were asked for
+        self.registrations = registrations
 
 
 # A pool's finalizer runs wherever the garbage collector does: in any thread, at any allocation, also inside
@@ -139,8 +156,12 @@ def _take_spare(size: int, count: int) -> _Spare | None:
     return None
 
 
-def _unmap(maps: list[mmap.mmap]) -> None:
-    for m in maps:
+def _unmap(spare: _Spare) -> None:
+    """Undo what registered the buffers, then unmap them."""
+    for _, undo in spare.registrations.values():
+        undo()
+    spare.registrations.clear()
+    for m in spare.maps:
         with contextlib.suppress(BufferError):  # one still exported goes with its last reference
             m.close()
 
@@ -148,7 +169,33 @@ def _unmap(maps: list[mmap.mmap]) -> None:
 def _expire(spare: _Spare) -> None:
     with contextlib.suppress(ValueError):
         _spares.remove(spare)  # raises where a pool took it meanwhile: then it owns the buffers
-        _unmap(spare.maps)
+        _unmap(spare)
+
+
+def release_spares() -> None:
+    """Unmap every set waiting for a pool now, undoing what registered it (page-locked memory given back)."""
+    for spare in list(_spares):
+        _expire(spare)
+
+
+def _forget_registrations() -> None:
+    for spare in _spares:
+        spare.registrations.clear()
+
+
+_exiting = False
+
+
+def _at_exit() -> None:
+    """No set may wait past the interpreter's exit: the undos run while the runtime they call is still up (this
+    runs before torch's own exit handlers, registered earlier), and pools ended after this are not parked."""
+    global _exiting
+    _exiting = True
+    release_spares()
+
+
+os.register_at_fork(after_in_child=_forget_registrations)
+atexit.register(_at_exit)
 
 
 def _reap() -> None:
@@ -184,14 +231,10 @@ def _unshared(m: mmap.mmap) -> bool:
 
 
 def _retire(
-    size: int, maps: list[mmap.mmap], views: list[memoryview], undo: list[Callable[[], None]], asked: bool
+    size: int, maps: list[mmap.mmap], views: list[memoryview], registrations: Registrations, asked: bool
 ) -> None:
-    """Park the buffers as the one spare set; unmap them where that cannot be, and where anything registered them
-    (CUDA's page-locking: undone first, and the next user would register them anew)."""
-    registered = bool(undo)
-    for call in undo:
-        call()
-    undo.clear()
+    """Park the buffers, with their registrations, as the one spare set; where that cannot be, undo the
+    registrations and unmap them."""
     exported = False
     for view in views:
         try:
@@ -199,14 +242,15 @@ def _retire(
         except BufferError:  # a buffer taken from it (a tensor over it) still lives
             exported = True
     exported = exported or not all(_unshared(m) for m in maps)
-    spare = _Spare(size, list(maps), asked)
+    spare = _Spare(size, list(maps), asked, dict(registrations))
     views.clear()
     maps.clear()
-    if not exported and not registered and SPARE_SECONDS > 0:
+    registrations.clear()
+    if not exported and SPARE_SECONDS > 0 and not _exiting:
         _spares.append(spare)
         _deadlines.put((time.monotonic() + SPARE_SECONDS, spare))
         while len(_spares) > 1:  # one set waits: the newest
             with contextlib.suppress(IndexError):
                 _expire(_spares[0])
         return
-    _unmap(spare.maps)
+    _unmap(spare)
