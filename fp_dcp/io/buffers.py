@@ -188,7 +188,8 @@ _exiting = False
 
 def _at_exit() -> None:
     """No set may wait past the interpreter's exit: the undos run while the runtime they call is still up (this
-    runs before torch's own exit handlers, registered earlier), and pools ended after this are not parked."""
+    runs before the exit handlers of torch, which fp_dcp imports first, and the CUDA runtime's own teardown), and
+    pools ended after this are not parked."""
     global _exiting
     _exiting = True
     release_spares()
