@@ -119,14 +119,21 @@ class CudaRuntimeDouble:
         return tracked
 
     def track(self, m: mmap.mmap) -> None:
+        # A mapping closed since the last sweep may have left its address to this one: it is gone first.
+        self._sweep()
         with memoryview(m) as view:
             start = _cio.address(view)
-        self.mappings[start] = (len(m), weakref.ref(m))
-        weakref.finalize(m, self._gone, start, len(m))
+        entry = self.mappings[start] = (len(m), weakref.ref(m))
+        weakref.finalize(m, self._collected, start, entry)
+
+    def _collected(self, start: int, entry: tuple[int, weakref.ref[mmap.mmap]]) -> None:
+        """A mapping's object was collected; unless a sweep saw it closed before (and its address may since hold
+        another mapping), its memory goes now."""
+        if self.mappings.get(start) is entry:
+            del self.mappings[start]
+            self._gone(start, entry[0])
 
     def _gone(self, start: int, length: int) -> None:
-        if self.mappings.get(start, (length, None))[0] == length:
-            self.mappings.pop(start, None)
         for address, size in self.registered.items():
             if start <= address < start + length:
                 self.unmapped.append(f"{size} bytes at {address:#x} unmapped while registered")
