@@ -19,6 +19,7 @@ from dist_util import run_ranks
 from fp_dcp import CheckpointManager, FastPersistReader, list_steps
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.format import METADATA_NAME
+from fp_dcp.training import resume, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -398,3 +399,45 @@ def test_a_staying_step_whose_references_cannot_be_read_stops_pruning(tmp_path, 
     with CheckpointManager(root) as mgr:
         assert mgr.restore(state) == 4
     assert_tuned(state, 4)
+
+
+@pytest.mark.parametrize("when", ["after the listing", "after its metadata was read"])
+def test_a_step_pruned_while_the_steps_are_listed_is_left_out(tmp_path, monkeypatch, when):
+    """Ranks of a node share a root: one lists or restores while another prunes (a rank once failed on it)."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, asynchronous=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((1000,), float(step))})
+    listed, opened = steps.step_directories, steps.open_checkpoint
+    gone = []
+
+    def prune(step: int) -> None:
+        if step not in gone:
+            os.rename(root / f"step-{step}", root / f".deleting-step-{step}")  # as a pruning takes it away
+            gone.append(step)
+
+    def listing(path):
+        found = listed(path)
+        if when == "after the listing":
+            prune(2)
+        return found
+
+    def opening(path, *args, **kwargs):
+        checkpoint = opened(path, *args, **kwargs)
+        if when == "after its metadata was read" and os.path.basename(path) in ("step-2", "step-3"):
+            prune(int(os.path.basename(path)[5:]))
+        return checkpoint
+
+    monkeypatch.setattr(steps, "step_directories", listing)
+    monkeypatch.setattr(steps, "open_checkpoint", opening)
+    assert [(s.step, s.status) for s in list_steps(root)] == (
+        [(1, "complete"), (3, "complete")] if when == "after the listing" else [(1, "complete")]
+    )
+    if when == "after its metadata was read":  # a restore meets the newest step pruned under it: the next older
+        os.rename(root / ".deleting-step-3", root / "step-3")
+        gone.remove(3)
+        monkeypatch.setattr(resume, "step_directories", listing)
+        target = {"w": torch.zeros(1000)}
+        with CheckpointManager(root) as mgr:
+            assert mgr.restore(target) == 1
+        assert torch.equal(target["w"], torch.full((1000,), 1.0))

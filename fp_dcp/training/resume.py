@@ -21,7 +21,7 @@ from ..load.reader import FastPersistReader
 from ..log import log
 from ..net.group import Group
 from ..tiers import Tiers
-from .steps import inspect_step, step_directories, step_directory
+from .steps import inspect_if_present, step_directories, step_directory
 
 __all__ = ["Resume"]
 
@@ -101,7 +101,9 @@ class Resume:
         for step, path in reversed(step_directories(self.root)):
             if step in exclude:
                 continue
-            info = inspect_step(step, path, self.verify)
+            info = inspect_if_present(step, path, self.verify)
+            if info is None:
+                continue  # pruned meanwhile by another rank of the node
             if info.status in ("complete", "verified"):
                 return info.step
             if info.status == "retired":

@@ -35,6 +35,7 @@ __all__ = [
     "step_state",
     "own_files",
     "inspect_step",
+    "inspect_if_present",
     "remove_leftovers",
 ]
 
@@ -73,7 +74,8 @@ def list_steps(root: str | os.PathLike[str], *, verify: bool = False) -> list[St
     ``verify`` checks every item's checksum (reads all data) instead of the
     metadata and the data files' presence and sizes.
     """
-    return [inspect_step(step, path, verify) for step, path in step_directories(root)]
+    found = (inspect_if_present(step, path, verify) for step, path in step_directories(root))
+    return [info for info in found if info is not None]
 
 
 def step_directories(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
@@ -85,6 +87,19 @@ def step_directories(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
         if step is not None and os.path.isdir(os.path.join(root, name)):
             found.append((step, os.path.join(root, name)))
     return sorted(found)
+
+
+def inspect_if_present(step: int, path: str, verify: bool) -> StepInfo | None:
+    """``inspect_step``, or None where the step's directory is gone by the end: a pruning removed it meanwhile
+    (another rank of the node sharing the root, another process), and what was read of it may be half of it
+    (a missing file is then no damage)."""
+    try:
+        info = inspect_step(step, path, verify)
+    except FileNotFoundError:
+        if os.path.isdir(path):
+            raise
+        return None
+    return info if os.path.isdir(path) else None
 
 
 def inspect_step(step: int, path: str, verify: bool) -> StepInfo:
