@@ -532,10 +532,7 @@ def test_a_pools_finalizer_starts_no_thread(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", no_thread)
     del pool
     (spare,) = [s for s in buffers._spares if s.size == 15 * 4096]
-    deadline = time.monotonic() + 10
-    while spare in buffers._spares and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(m.closed for m in spare.maps) and reaper.is_alive()  # the one thread unmapped it, and waits on
+    assert _expired(spare) and reaper.is_alive()  # the one thread unmapped it, and waits on
 
 
 def test_buffers_still_referenced_or_with_no_wait_are_unmapped_not_parked(monkeypatch):
