@@ -117,8 +117,11 @@ class IOConfig:
             (``fp_dcp.io.prefault``); reads then never wait on a page fault,
             and on disks whose requests scattered memory caps
             (``direct_reads`` auto) the huge-page parts are read in place at
-            full request size instead of through the staging buffers. No byte
-            changes; False leaves the targets' memory as it is.
+            full request size instead of through the staging buffers; where
+            every read of a load is staged, targets whose pages are all
+            untouched are instead filled page by page without being cleared
+            (userfaultfd, ``fp_dcp.io.userfault``). No byte changes; False
+            leaves the targets' memory as it is.
     """
 
     engine: EngineChoice = field(default_factory=_env_engine)

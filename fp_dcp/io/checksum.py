@@ -12,10 +12,11 @@ a running XXH3-128 (which cannot be split), stay in the calling thread.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from .. import _cio
 from ..units import MiB
+from .userfault import UserfaultFiller
 
 __all__ = ["Checksummer", "MIN_SLICE"]
 
@@ -35,8 +36,18 @@ class Checksummer:
             return _cio.crc32c(data, crc, hasher)
         return self._sliced(_cio.crc32c, (data,), crc)
 
-    def copy_crc32c(self, dst: memoryview, src: memoryview, crc: int = 0, hasher: _cio.Hash128 | None = None) -> int:
-        """``_cio.copy_crc32c(dst, src, crc, hasher)``, over several threads where large and no hasher."""
+    def copy_crc32c(
+        self,
+        dst: memoryview,
+        src: memoryview,
+        crc: int = 0,
+        hasher: _cio.Hash128 | None = None,
+        into: UserfaultFiller | None = None,
+    ) -> int:
+        """``_cio.copy_crc32c(dst, src, crc, hasher)``, over several threads where large and no hasher; ``into``:
+        the load's userfaultfd, which installs the pages of ``dst`` registered with it (``io.userfault``)."""
+        if into is not None:
+            return self._sliced(into.copy_crc32c, (dst, src), crc)
         if hasher is not None:
             return _cio.copy_crc32c(dst, src, crc, hasher)
         return self._sliced(_cio.copy_crc32c, (dst, src), crc)
@@ -54,7 +65,11 @@ class Checksummer:
         slices = [(start, min(step, n - start)) for start in range(0, n, step)]
         tasks = [self._pool.submit(run, *(v[start : start + k] for v in flat), 0) for start, k in slices[1:]]
         start, k = slices[0]
-        crc = run(*(v[start : start + k] for v in flat), crc)
+        try:
+            crc = run(*(v[start : start + k] for v in flat), crc)
+        except BaseException:
+            wait(tasks)  # none may still write into memory the caller goes on to release
+            raise
         for (_, k), task in zip(slices[1:], tasks, strict=True):
             crc = _cio.crc32c_combine(crc, task.result(), k)
         return crc

@@ -25,7 +25,12 @@ queue. So, for each target a load is about to fill:
   skipped, found by ``mincore``: faulting them in again cost a touched-target
   load 18% more CPU.
 
-Neither changes a byte. ``IOConfig.prepare_targets=False`` turns both off.
+- where every read of the load goes through staging buffers, a target whose
+  whole pages are all untouched is instead registered with the load's
+  userfaultfd (``io.userfault``) and filled page by page from the buffers,
+  never cleared (not where huge pages are asked for: those are read in place).
+
+None of them changes a byte. ``IOConfig.prepare_targets=False`` turns them off.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import _cio
 from ..log import log_once
 from ..units import MiB
+from .userfault import UserfaultFiller
 
 __all__ = ["Prefaulter", "Prepared", "NOTHING_PREPARED", "SLICE", "populate_supported", "huge_pages_without_stalls"]
 
@@ -104,10 +110,14 @@ class Prefaulter:
         self.huge = huge_pages_without_stalls() if huge is None else huge  # ask for huge pages (None: where cheap)
         self._pool: ThreadPoolExecutor | None = None  # made on first use
 
-    def prepare(self, memory: memoryview) -> Prepared:
-        """Ask for huge pages on ``memory``'s untouched blocks now; queue its faulting-in."""
+    def prepare(self, memory: memoryview, filler: UserfaultFiller | None = None) -> Prepared:
+        """Ask for huge pages on ``memory``'s untouched blocks now; queue its faulting-in. With ``filler`` (the
+        load copies into ``memory`` from staging buffers), where huge pages are not asked for and all of its
+        pages are untouched, register them with ``filler`` instead."""
         if not self.threads or memory.nbytes < _MIN_BYTES or memory.readonly or not populate_supported():
             return NOTHING_PREPARED
+        if filler is not None and not self.huge and filler.register(memory):
+            return NOTHING_PREPARED  # filled page by page as its bytes arrive
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fp-dcp-prefault")
         memory = memory if memory.format == "B" and memory.ndim == 1 else memory.cast("B")

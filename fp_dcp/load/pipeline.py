@@ -41,6 +41,7 @@ from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, open_file
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
+from ..io.userfault import UserfaultFiller
 from ..tensors import ByteSink
 from .catalog import Catalog
 
@@ -199,10 +200,12 @@ def _ahead(
     uploads: DeviceLoads | None,
     pool: BufferPool,
     prefaulter: Prefaulter | None,
+    filler: UserfaultFiller | None,
     lookahead: int,
 ) -> Iterator[_Item]:
     """The items, each resolved ``lookahead`` bytes before it is yielded, its host memory handed to the
-    prefaulter then, so that its pages are in before its reads; items with nothing to read are finished."""
+    prefaulter then, so that its pages are in before its reads (or registered with ``filler``, where given:
+    every read is staged); items with nothing to read are finished."""
     waiting: deque[_Item] = deque()
     queued = 0
     for item in items:
@@ -211,7 +214,7 @@ def _ahead(
             waiting.append(item)
             continue
         if prefaulter is not None and _sink_device(item) is None:
-            item.prepared = prefaulter.prepare(_sink_memory(item))
+            item.prepared = prefaulter.prepare(_sink_memory(item), filler)
         waiting.append(item)
         queued += item.total
         while waiting and queued - waiting[0].total >= lookahead:
@@ -355,7 +358,7 @@ def read_items(
             device = _sink_device(owner)
             if device is None:
                 dst = _sink_memory(owner)[part.owner_offset : part.owner_offset + part.length]
-                owner.crc = checksum.copy_crc32c(dst, region, owner.crc)
+                owner.crc = checksum.copy_crc32c(dst, region, owner.crc, into=filler)
                 _advance(owner, part.length)
                 continue
             assert uploads is not None
@@ -379,13 +382,16 @@ def read_items(
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
     ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
     lookahead = _LOOKAHEAD // max(1, len(by_file))
+    placements = {name: _placement(config, files[name], pool) for name in by_file}
+    # untouched targets filled page by page, where no read goes straight into host memory (``io.userfault``)
+    filler = UserfaultFiller() if prefaulter is not None and "in place" not in placements.values() else None
     try:
         streams = []
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, lookahead)
-            pieces = _pieces(ahead, _placement(config, f, pool))
+            ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, filler, lookahead)
+            pieces = _pieces(ahead, placements[name])
             extents = plan_extents(pieces, f.align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
@@ -409,5 +415,7 @@ def read_items(
     finally:
         for f in files.values():
             f.close()
+        if filler is not None:
+            filler.close()  # after the last copy: no page of a target waits on a fill from here on
     needed = sum(it.total for items in by_file.values() for it in items)
     return ReadCounts(read, needed, issued)
