@@ -45,12 +45,11 @@ class Checksummer:
         into: UserfaultFiller | None = None,
     ) -> int:
         """``_cio.copy_crc32c(dst, src, crc, hasher)``, over several threads where large and no hasher; ``into``:
-        the load's userfaultfd, which installs the pages of ``dst`` registered with it (``io.userfault``)."""
-        if into is not None:
-            return self._sliced(into.copy_crc32c, (dst, src), crc)
+        the load's userfaultfd, which installs the pages of ``dst`` registered with it (``io.userfault``; with a
+        hasher, they fault in, answered as zeros, and are copied into)."""
         if hasher is not None:
             return _cio.copy_crc32c(dst, src, crc, hasher)
-        return self._sliced(_cio.copy_crc32c, (dst, src), crc)
+        return self._sliced(_cio.copy_crc32c if into is None else into.copy_crc32c, (dst, src), crc)
 
     def _sliced(self, run: Callable[..., int], views: tuple[memoryview, ...], crc: int) -> int:
         """``run(*views, crc)``: the views cut into slices, run on the threads, their CRCs joined in order."""
