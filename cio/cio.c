@@ -807,8 +807,8 @@ PyDoc_STRVAR(register_untouched_doc,
              "None where there is no whole page or one is touched. Until fd is closed, a thread "
              "of this process that touches one of them before fill_crc32c fills it waits for "
              "serve_faults to answer, and the kernel's own accesses to them (a read(2) or direct "
-             "read into them) fail with EFAULT. Raises OSError where the kernel refuses the memory (not anonymous or shmem, "
-             "or registered with another userfaultfd).");
+             "read into them) fail with EFAULT. Raises OSError where the kernel refuses the memory "
+             "(not anonymous or shmem, hugetlbfs, or registered with another userfaultfd).");
 
 static PyObject *py_register_untouched(PyObject *self, PyObject *args)
 {
@@ -840,7 +840,9 @@ static PyObject *py_register_untouched(PyObject *self, PyObject *args)
     struct uffdio_register reg = {.range = {.start = lo, .len = hi - lo}, .mode = UFFDIO_REGISTER_MODE_MISSING};
     if (ioctl(fd, UFFDIO_REGISTER, &reg) < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    if (!(reg.ioctls & ((uint64_t)1 << _UFFDIO_COPY))) {
+    /* both, or not this memory: hugetlbfs takes neither a zero page nor copies of single small pages */
+    uint64_t needed = ((uint64_t)1 << _UFFDIO_COPY) | ((uint64_t)1 << _UFFDIO_ZEROPAGE);
+    if ((reg.ioctls & needed) != needed) {
         if (ioctl(fd, UFFDIO_UNREGISTER, &reg.range) < 0)
             return PyErr_SetFromErrno(PyExc_OSError);
         errno = EOPNOTSUPP;

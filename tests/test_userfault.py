@@ -4,6 +4,7 @@ ending with the load, also a failed one."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -20,8 +21,10 @@ from fp_dcp.io import userfault
 from fp_dcp.io.checksum import MIN_SLICE, Checksummer
 from fp_dcp.io.files import kernel_copies
 from fp_dcp.io.userfault import UserfaultFiller
+from fp_dcp.tools.fio import huge_pages
 
 PAGE = mmap.PAGESIZE
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)  # Linux's value, where Python does not name it
 
 
 def _refusal() -> str | None:
@@ -85,6 +88,22 @@ def test_memory_touched_or_without_a_whole_page_is_not_registered():
         m.close()
     finally:
         os.close(fd)
+
+
+def test_hugetlbfs_memory_is_not_registered():
+    """Its pages take neither the zero page nor copies of small pages: the kernel's own ioctls say so."""
+    with huge_pages(4 << 20) as (page, why):
+        if page is None:
+            pytest.skip(why)
+        m = mmap.mmap(-1, 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+        fd = _cio.userfaultfd()
+        try:
+            with pytest.raises(OSError) as e:
+                _cio.register_untouched(fd, memoryview(m))
+            assert e.value.errno == errno.EOPNOTSUPP
+        finally:
+            os.close(fd)
+            m.close()
 
 
 @pytest.mark.parametrize("write", [False, True])
