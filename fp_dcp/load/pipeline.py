@@ -382,10 +382,11 @@ def read_items(
     window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
     ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
     lookahead = _LOOKAHEAD // max(1, len(by_file))
-    placements = {name: _placement(config, files[name], pool) for name in by_file}
-    # untouched targets filled page by page, where no read goes straight into host memory (``io.userfault``)
-    filler = UserfaultFiller() if prefaulter is not None and "in place" not in placements.values() else None
+    filler: UserfaultFiller | None = None
     try:
+        placements = {name: _placement(config, files[name], pool) for name in by_file}
+        if prefaulter is not None and "in place" not in placements.values():
+            filler = UserfaultFiller()  # fills untouched targets page by page: no read goes straight into them
         streams = []
         for name, items in by_file.items():
             f = files[name]
