@@ -65,7 +65,7 @@ import torch.distributed.checkpoint as dcp
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from fp_dcp.gpu.kernel import Kernel
-from fp_dcp.tools.workload import evict, llm_state_dict, tensor_bytes
+from fp_dcp.tools.workload import copy_peaks, evict, llm_state_dict, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -104,23 +104,6 @@ def timed(device: str, fn: Callable[[], Any]) -> float:
 def fio_binary() -> str | None:
     local = ROOT / ".dep" / "bin" / "fio"  # carried to machines without fio (benchmarks/gpu_check.sh)
     return str(local) if local.is_file() else shutil.which("fio")
-
-
-def copy_peaks(nbytes: int = GiB, repeats: int = 5) -> dict[str, Any]:
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    stream = torch.cuda.Stream()
-    rates: dict[str, list[float]] = {"d2h": [], "h2d": []}
-    for _ in range(repeats):
-        for name, (dst, src) in {"d2h": (host, device), "h2d": (device, host)}.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-            end.synchronize()
-            rates[name].append(nbytes / (start.elapsed_time(end) / 1000) / GB)
-    return {"d2h_gbps": max(rates["d2h"]), "h2d_gbps": max(rates["h2d"]), "runs": rates}
 
 
 def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What the benchmarks run on: a Llama-shaped state dict, the targets a load fills, cold caches, CPU and memory used.
+"""What the benchmarks run on: a Llama-shaped state dict, the targets a load fills, cold caches, CPU and memory used,
+the GPU's pinned copy peaks.
 
 Load targets come in the two kinds users have (``targets``):
 
@@ -37,6 +38,7 @@ __all__ = [
     "cpu_seconds",
     "evict",
     "recycle",
+    "copy_peaks",
 ]
 
 Targets = Literal["fresh", "touched"]
@@ -172,3 +174,22 @@ def evict(path: str) -> None:
     if os.geteuid() == 0:
         with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
+
+
+def copy_peaks(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """Best pinned device-to-host and host-to-device GB/s of ``repeats`` copies of ``nbytes`` on a side stream."""
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    rates: dict[str, list[float]] = {"d2h": [], "h2d": []}
+    for _ in range(repeats):
+        for name, (dst, src) in {"d2h": (host, device), "h2d": (device, host)}.items():
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream):
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            rates[name].append(nbytes / (start.elapsed_time(end) / 1000) / 1e9)
+    return {"d2h_gbps": max(rates["d2h"]), "h2d_gbps": max(rates["h2d"]), "runs": rates}
