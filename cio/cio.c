@@ -9,8 +9,9 @@
  *   result (bytes or -errno) and the policy lives in Python.
  * - crc32c / copy_crc32c: CRC-32C (Castagnoli) through ISA-L's folding kernels
  *   (PCLMULQDQ/VPCLMULQDQ) where built with libisal, else the SSE4.2
- *   instruction (three interleaved streams), else tables; GIL released; given
- *   a Hash128, they feed it the same bytes in the same pass. crc32c_combine
+ *   instruction (three interleaved streams), else tables; copies fold as they
+ *   go where the CPU has VPCLMULQDQ (copy_fold); GIL released; given a
+ *   Hash128, they feed it the same bytes in the same pass. crc32c_combine
  *   joins the CRCs of pieces checksummed apart.
  * - Hash128: a running XXH3-128 (libxxhash), the content hash incremental
  *   saves compare items by. Absent when built without libxxhash.
@@ -37,8 +38,7 @@
 #endif
 
 #if defined(__x86_64__)
-#include <emmintrin.h>
-#include <nmmintrin.h>
+#include <immintrin.h>
 #endif
 
 #ifdef FP_DCP_HAVE_ISAL
@@ -117,6 +117,7 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
 static uint32_t (*crc_raw)(uint32_t, const uint8_t *, size_t) = crc_sw;
 static int crc_hardware = 0;
 static const char *crc_engine = "tables";
+static int fold_usable = 0; /* copy_fold runs here (AVX2, VPCLMULQDQ, SSE4.2) */
 
 #if defined(__x86_64__)
 /*
@@ -263,6 +264,8 @@ static void crc_init(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2"))
         crc_hw_init();
+    fold_usable = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("avx2") &&
+                  __builtin_cpu_supports("vpclmulqdq");
 #endif
 #ifdef FP_DCP_HAVE_ISAL
     crc_raw = crc_isal;
@@ -388,12 +391,97 @@ static void copy_stream(uint8_t *dst, const uint8_t *src, size_t n)
 #endif
 }
 
+#if defined(__x86_64__)
+/*
+ * Copy and CRC in one pass, for copies without a content hash (every staged copy of a save or a load): each
+ * 128-byte block is loaded once, stored, and folded into four 256-bit accumulators with carry-less multiplies
+ * (VPCLMULQDQ), so the bytes cross from memory once. Checksumming a step first and copying it from the cache
+ * after (the loop below, which a hash and older CPUs take) ran copy and CRC at 9 GB/s against memcpy's 16
+ * here; the CRC was half of a staged load's CPU time. This fold runs at 25 GB/s in cache on one core. It is
+ * the standard one for reflected CRCs (Gopal et al., "Fast CRC Computation for Generic Polynomials Using
+ * PCLMULQDQ", Intel, 2009); its constants are x^e mod P, bit-reflected: e = 1055 and 991 fold 1024 bits
+ * ahead, e = 159 and 95 fold 128 bits ahead. The 128 bits left at the end go through the crc32 instruction,
+ * which reduces them modulo P.
+ */
+#define FOLD_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD_TARGET static inline __m128i fold128(__m128i x, __m128i next)
+{
+    const __m128i k = _mm_set_epi64x(0x493c7d27, 0xf20c0dfe);
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
+}
+
+FOLD_TARGET static inline __m256i fold1024(__m256i x, __m256i next)
+{
+    const __m256i k = _mm256_set_epi64x(0x0d3b6092, 0x6992cea2, 0x0d3b6092, 0x6992cea2);
+    return _mm256_xor_si256(
+        _mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00), _mm256_clmulepi64_epi128(x, k, 0x11)), next);
+}
+
+/* The raw register c continued over n >= 128 bytes of src, copied to dst (streamed: dst 32-byte aligned). */
+FOLD_TARGET static uint32_t copy_fold(uint8_t *dst, const uint8_t *src, size_t n, uint32_t c, int stream)
+{
+#define LOAD(at) _mm256_loadu_si256((const __m256i *)(src + (at)))
+#define STORE(at, v)                                                                                           \
+    (stream ? _mm256_stream_si256((__m256i *)(dst + (at)), (v)) : _mm256_storeu_si256((__m256i *)(dst + (at)), (v)))
+    __m256i x0 = LOAD(0), x1 = LOAD(32), x2 = LOAD(64), x3 = LOAD(96);
+    STORE(0, x0);
+    STORE(32, x1);
+    STORE(64, x2);
+    STORE(96, x3);
+    x0 = _mm256_xor_si256(x0, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)c))); /* the register enters as
+                                                                                     the first four bytes */
+    size_t i = 128;
+    for (; i + 128 <= n; i += 128) {
+        __m256i y0 = LOAD(i), y1 = LOAD(i + 32), y2 = LOAD(i + 64), y3 = LOAD(i + 96);
+        STORE(i, y0);
+        STORE(i + 32, y1);
+        STORE(i + 64, y2);
+        STORE(i + 96, y3);
+        x0 = fold1024(x0, y0);
+        x1 = fold1024(x1, y1);
+        x2 = fold1024(x2, y2);
+        x3 = fold1024(x3, y3);
+    }
+#undef LOAD
+#undef STORE
+    __m256i lanes[4] = {x0, x1, x2, x3};
+    __m128i x = _mm256_castsi256_si128(x0);
+    for (int j = 0; j < 4; j++) {
+        if (j)
+            x = fold128(x, _mm256_castsi256_si128(lanes[j]));
+        x = fold128(x, _mm256_extracti128_si256(lanes[j], 1));
+    }
+    for (; i + 16 <= n; i += 16) {
+        __m128i y = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm_storeu_si128((__m128i *)(dst + i), y);
+        x = fold128(x, y);
+    }
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(x, 1));
+    memcpy(dst + i, src + i, n - i);
+    return crc_hw_1way((uint32_t)r, src + i, n - i);
+}
+#undef FOLD_TARGET
+#endif
+
 /* Copy (dst non-NULL), checksum (crc non-NULL: continued in place) and hash (h non-NULL) n bytes of src. */
 static int copy_crc_hash(uint8_t *dst, const uint8_t *src, size_t n, uint32_t *crc, HashObject *h)
 {
     uint32_t c = crc ? ~*crc : 0;
     int stream = dst && n >= STREAM_MIN;
     int rc = 0;
+#if defined(__x86_64__)
+    if (fold_usable && dst && crc && !h && n >= 128 + 31) {
+        size_t head = stream ? (32 - ((uintptr_t)dst & 31)) & 31 : 0;
+        memcpy(dst, src, head);
+        c = copy_fold(dst + head, src + head, n - head, crc_raw(c, src, head), stream);
+        if (stream)
+            _mm_sfence();
+        *crc = ~c;
+        return 0;
+    }
+#endif
     for (size_t off = 0; off < n; off += COPY_STEP) {
         size_t m = n - off < COPY_STEP ? n - off : COPY_STEP;
         const uint8_t *block = src + off;
@@ -1526,7 +1614,8 @@ PyMODINIT_FUNC PyInit__cio(void)
         goto fail;
 #endif
     if (PyModule_AddObjectRef(m, "CRC32C_HARDWARE", crc_hardware ? Py_True : Py_False) < 0 ||
-        PyModule_AddStringConstant(m, "CRC32C_ENGINE", crc_engine) < 0)
+        PyModule_AddStringConstant(m, "CRC32C_ENGINE", crc_engine) < 0 ||
+        PyModule_AddStringConstant(m, "COPY_CRC32C_ENGINE", fold_usable ? "vpclmulqdq" : crc_engine) < 0)
         goto fail;
 #ifdef FP_DCP_HAVE_XXHASH
     if (PyType_Ready(&HashType) < 0 || PyModule_AddObjectRef(m, "Hash128", (PyObject *)&HashType) < 0)

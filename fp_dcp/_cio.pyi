@@ -8,6 +8,7 @@ from typing_extensions import Buffer
 HAVE_IO_URING: bool
 CRC32C_HARDWARE: bool
 CRC32C_ENGINE: str
+COPY_CRC32C_ENGINE: str  # "vpclmulqdq": copies checksum in the same pass; else CRC32C_ENGINE's, step by step
 
 def crc32c(data: Buffer, crc: int = 0, hasher: Hash128 | None = None, /) -> int: ...
 def copy_crc32c(dst: Buffer, src: Buffer, crc: int = 0, hasher: Hash128 | None = None, /) -> int: ...

@@ -97,6 +97,33 @@ def test_copy_crc32c_copies_and_checksums():
         _cio.crc32c(b"x", 1 << 40)
 
 
+@pytest.mark.parametrize(
+    "length", [158, 159, 160, 175, 255, 256, 1000, (64 << 10) - 1, 64 << 10, (64 << 10) + 143, (3 << 20) + 77]
+)
+def test_copy_crc32c_in_one_pass_matches_the_reference(length):
+    """Copies that checksum as they go (the carry-less fold, where the CPU has one): every tail past the last
+    128-byte block and 16-byte lane, destinations at every alignment to 32 bytes, streamed (64 KiB and up) or
+    not, continuing a CRC; against the bit-by-bit reference (short ones) or crc32c's separate pass."""
+    rng = random.Random(length)
+    raw = rng.randbytes(length + 8)
+    for shift in (0, 5):
+        src = raw[shift : shift + length]
+        for offset in (0, 1, 16, 31):
+            start = rng.getrandbits(32)
+            want = crc32c_reference(src, start) if length < 5000 else _cio.crc32c(src, start)
+            buf = bytearray(length + 64)
+            assert _cio.copy_crc32c(memoryview(buf)[offset : offset + length], src, start) == want
+            assert bytes(buf[offset : offset + length]) == src
+            assert not any(buf[:offset]) and not any(buf[offset + length :])  # nothing written around it
+
+
+def test_copies_checksum_in_one_pass_where_the_cpu_can_fold():
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
+    can = {"avx2", "vpclmulqdq", "sse4_2"} <= set(flags)
+    assert _cio.COPY_CRC32C_ENGINE == ("vpclmulqdq" if can else _cio.CRC32C_ENGINE)
+
+
 def aligned(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n)
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from .. import engine_info
+from .. import _cio, engine_info
 from ..units import MiB
 from .fio import Fio
 
@@ -101,7 +101,7 @@ def report(methods: list[Method], size: int, directory: str, fio: Fio | None) ->
         "state_dict_bytes": size,
         "directory_fs": _filesystem(directory),
         "cache_eviction": "posix_fadvise DONTNEED" + (" + drop_caches" if os.geteuid() == 0 else ""),
-        "engine": engine_info(directory),
+        "engine": engine_info(directory) | {"crc32c_copy": _cio.COPY_CRC32C_ENGINE},
         "cpus": os.cpu_count(),
         "fio": {"method": fio.label, "buffers": fio.buffers, "huge_pages": bool(fio.huge_page)} if fio else None,
         "methods": rows,
@@ -128,7 +128,8 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
     )
     print(
         f"engine: {e['engine']}{' (' + e['fallback_reason'] + ')' if e['fallback_reason'] else ''}, "
-        f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}"
+        f"O_DIRECT: {e.get('direct_io')}, alignment {e.get('alignment')}, CRC32C hardware: {e['crc32c_hardware']}, "
+        f"copies checksummed by {e.get('crc32c_copy')}"
     )
     print(f"loads read cold ({r['cache_eviction']}), each through a reader made anew\n")
     print(f"{'save':<28}{'GB/s':>8}{'CPU-s/GB':>10}{'+RSS MiB':>10}{'wr depth':>10}{'wr KiB':>8}")
