@@ -215,6 +215,8 @@ def test_staging_buffers_are_populated_without_madv_populate_write(monkeypatch):
 
     before = resident()
     pool = BufferPool(8 << 20, 2)
+    assert resident() - before < 4 << 20  # nothing mapped before the buffers are first used
+    assert len(pool.views) == 2
     assert resident() - before >= 15 << 20  # both buffers faulted in
     pool.views[1][:4] = b"abcd"
     assert bytes(pool.views[1][:4]) == b"abcd"
@@ -466,10 +468,39 @@ def _expired(spare: buffers._Spare) -> bool:
     return spare not in buffers._spares and all(m.closed for m in spare.maps)
 
 
+def test_a_pool_never_used_maps_nothing_and_leaves_nothing_to_park(monkeypatch):
+    """A load that reads every byte in place (tmpfs) never asks for a staging buffer: none is faulted in."""
+    monkeypatch.setattr(buffers, "SPARE_SECONDS", 30)
+    mapped = []
+    pool = BufferPool(5 * 4096, 2, on_map=mapped.append)
+    assert pool.count == 2 and pool.size == 5 * 4096 and mapped == []
+    pool.close()
+    del pool
+    gc.collect()
+    assert not [s for s in buffers._spares if s.size == 5 * 4096] and mapped == []
+    pool = BufferPool(5 * 4096, 2, on_map=mapped.append)
+    assert len(pool.free) == 2 and mapped == [pool.views]  # told once, with the buffers, when first used
+    assert len(pool.views) == 2 and len(mapped) == 1
+    pool.close()
+    buffers.release_spares()
+
+
+def test_a_load_that_reads_every_byte_in_place_maps_no_staging_buffer(tmp_path):
+    state = {"w": torch.randn(1 << 20), "b": torch.arange(1 << 18)}  # small ones would be gathered: staged
+    save(state, tmp_path / "ck", config=IOConfig(direct_io=False))
+    for config, staged in ((IOConfig(direct_io=False), False), (IOConfig(direct_reads=False), True)):
+        target = empty_like(state)  # buffered files are read in place (the kernel copies); staged: into buffers
+        reader = load(target, tmp_path / "ck", config=config)
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        assert (reader._io.get()[1]._views is not None) == staged
+        reader._io.close()
+
+
 def test_a_dropped_pool_is_parked_and_expires(monkeypatch):
     monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
     gc.collect()  # no other pool's finalizer runs below: one set waits, the newest
     pool = BufferPool(7 * 4096, 2)
+    assert len(pool.free) == 2  # in use: mapped
     del pool  # nobody closed it: its finalizer parks the buffers
     (spare,) = [s for s in buffers._spares if s.size == 7 * 4096]
     assert _expired(spare)  # past the wait: unmapped
@@ -524,6 +555,7 @@ def test_a_pools_finalizer_starts_no_thread(monkeypatch):
     thread deadlocks: the wait is kept by one thread started with the pools, and the finalizer only parks."""
     monkeypatch.setattr(buffers, "SPARE_SECONDS", 0.2)
     pool = BufferPool(15 * 4096, 1)
+    assert len(pool.views) == 1  # in use: mapped
     (reaper,) = [t for t in threading.enumerate() if t.name == "fp-dcp-spare-buffers"]
 
     def no_thread(self):
@@ -568,6 +600,42 @@ class PuntSpy:
     def read(self, fd, view, offset, token, punt):
         self.punted.append(punt)
         return self.ring.read(fd, view, offset, token, punt)
+
+
+@pytest.mark.skipif(not _cio.HAVE_IO_URING, reason="built without liburing")
+def test_buffers_mapped_while_requests_are_in_flight_are_registered_once_the_ring_is_idle(tmp_path):
+    """A pool maps its buffers at their first use, which may come while reads into targets are in flight; the
+    ring refuses new buffers then, so they are registered at the next moment nothing is in flight."""
+    uring = engine.UringEngine(IOConfig())
+    registered = []
+    real = uring.ring
+
+    class Spy(PuntSpy):
+        def register_buffers(self, views):
+            registered.append((len(views), real.in_flight))
+            return real.register_buffers(views)
+
+    uring.ring = Spy(real)
+    r, w = os.pipe()
+    waiting = memoryview(mmap.mmap(-1, 4096))
+    f = files.open_file(str(tmp_path / "f"), create=True, direct=False)
+    pool = BufferPool(1 << 16, 2, on_map=uring.register_buffers)
+    try:
+        real.read(r, waiting, 0, "pipe", False)  # stays in flight until the pipe has bytes
+        assert real.wait(0) == [] and real.in_flight == 1
+        pool.views[0][:5] = b"first"  # mapped now
+        assert registered == [] and uring.unregistered is not None
+        os.write(w, b"go")
+        assert real.wait(1) == [("pipe", 2)]
+        uring.wait(uring.write(f, pool.views[0], 0))
+        assert registered == [(2, 0)] and uring.unregistered is None  # registered before that write went out
+        assert (tmp_path / "f").read_bytes()[:5] == b"first"
+    finally:
+        f.close()
+        uring.close()
+        pool.close()
+        os.close(r)
+        os.close(w)
 
 
 @pytest.mark.skipif(not _cio.HAVE_IO_URING, reason="built without liburing")

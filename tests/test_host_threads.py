@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_xxhash
+from conftest import empty_like, failure, load, needs_xxhash, save
+from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import IOConfig, _cio
+from fp_dcp import CorruptCheckpointError, IOConfig, _cio
 from fp_dcp.io import checksum, prefault
-from fp_dcp.io.checksum import MIN_SLICE, Checksummer
+from fp_dcp.io.checksum import BOUNCE, MIN_SLICE, Checksummer
+from fp_dcp.io.device import filesystem_of
+from fp_dcp.io.files import ShortReadError, open_file
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -33,6 +38,59 @@ def test_sliced_checksums_and_copies_equal_one_pass(threads, size):
             assert summer.crc32c(memoryview(floats.numpy())) == _cio.crc32c(data[: size // 4 * 4])
     finally:
         summer.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("size", [0, 1, BOUNCE + 1, 2 * MIN_SLICE + 4099])
+def test_reads_through_a_small_buffer_equal_one_pass(tmp_path, threads, size):
+    data = os.urandom(size + 100)
+    (tmp_path / "f").write_bytes(data)
+    f = open_file(str(tmp_path / "f"), create=False, direct=False)
+    summer = Checksummer(threads)
+    try:
+        dst = bytearray(size)
+        assert summer.read_crc32c(f, 37, memoryview(dst), 0x99) == _cio.crc32c(data[37 : 37 + size], 0x99)
+        assert dst == data[37 : 37 + size]
+        if size:
+            with pytest.raises(ShortReadError, match=f"file ends before byte {size + 101}"):
+                summer.read_crc32c(f, 101, memoryview(dst))  # the file holds size + 99 bytes from there
+        f.close()
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            summer.read_crc32c(f, 0, memoryview(bytearray(10)))
+    finally:
+        f.close()
+        summer.close()
+
+
+@pytest.mark.skipif(filesystem_of("/dev/shm") != "tmpfs", reason="no tmpfs at /dev/shm here")
+def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(tmp_path, monkeypatch):
+    """From a file in memory, a read into the target is a copy the CPU makes; it goes through a small buffer per
+    thread with the CRC folded in, and a flipped byte is still caught."""
+    state = {"w": torch.randn(3 << 20), "m": torch.randn(2048, 1024), "b": torch.arange(10)}
+    read: list[int] = []
+    real = Checksummer.read_crc32c
+
+    def spy(self, f, offset, dst, crc=0):
+        read.append(dst.nbytes)
+        return real(self, f, offset, dst, crc)
+
+    monkeypatch.setattr(Checksummer, "read_crc32c", spy)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        save(state, Path(shm) / "ck")
+        target = empty_like(state)
+        load(target, Path(shm) / "ck", config=IOConfig(host_threads=2))
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        assert sum(read) == state["w"].nbytes + state["m"].nbytes  # the large items whole, wherever their memory
+        read.clear()
+        data = next(p for p in (Path(shm) / "ck").iterdir() if p.suffix == ".distcp" and p.stat().st_size > 1 << 20)
+        raw = bytearray(data.read_bytes())
+        at = len(raw) // 2
+        raw[at] ^= 0x40
+        data.write_bytes(raw)
+        with pytest.raises(CheckpointException) as e:
+            load(empty_like(state), Path(shm) / "ck")
+        assert isinstance(failure(e), CorruptCheckpointError) and "checksum mismatch" in str(failure(e))
+        assert read
 
 
 def test_large_ranges_are_split_over_the_threads(monkeypatch):

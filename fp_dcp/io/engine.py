@@ -35,7 +35,7 @@ from ..config import IOConfig
 from ..log import log_once
 from .buffers import BufferPool
 from .checksum import Checksummer
-from .files import DataFile
+from .files import DataFile, ShortReadError, short_read
 from .prefault import Prefaulter
 
 __all__ = [
@@ -52,16 +52,8 @@ __all__ = [
 FAULT_ENV = "FP_DCP_FAULT_AT"
 
 
-class ShortReadError(OSError):
-    """A read found the end of the file before the bytes it asked for (the file is shorter than expected)."""
-
-
 def _io_error(err: int, op: str, nbytes: int, offset: int, path: str) -> OSError:
     return OSError(err, f"{os.strerror(err)} ({op} of {nbytes} bytes at offset {offset})", path)
-
-
-def _short_read(path: str, nbytes: int, offset: int) -> ShortReadError:
-    return ShortReadError(errno_mod.EIO, f"file ends before byte {offset + nbytes} (truncated?)", path)
 
 
 class Ticket:
@@ -173,10 +165,20 @@ class UringEngine(Engine):
         super().__init__(config)
         self.ring = _cio.Ring(config.queue_depth)  # OSError when the kernel refuses
         self.backlog: deque[_Request] = deque()  # queued, not yet in the ring
+        self.unregistered: list[memoryview] | None = None  # buffers to register once nothing is in flight
 
     def register_buffers(self, buffers: Sequence[memoryview]) -> None:
+        # A pool maps its buffers at their first use, which may come while reads into targets are in flight, and
+        # the ring takes buffers only between requests: until then, requests from them go unregistered.
+        self.unregistered = list(buffers)
+        self._register_if_idle()
+
+    def _register_if_idle(self) -> None:
+        if self.unregistered is None or self.ring.in_flight:
+            return
+        buffers, self.unregistered = self.unregistered, None
         try:
-            self.ring.register_buffers(list(buffers))
+            self.ring.register_buffers(buffers)
         except OSError as e:  # e.g. RLIMIT_MEMLOCK for unprivileged users: plain requests work too
             log_once(f"fp-dcp: io_uring buffer registration refused ({e.strerror}); continuing without")
 
@@ -187,6 +189,7 @@ class UringEngine(Engine):
     def _kick(self) -> None:
         ring = self.ring
         backlog = self.backlog
+        self._register_if_idle()
         while backlog and ring.in_flight < ring.depth:
             req = backlog.popleft()
             if req.view is None:
@@ -213,7 +216,7 @@ class UringEngine(Engine):
                     ticket.fail(
                         _io_error(errno_mod.EIO, "write made no progress", len(view), req.offset, req.file.path)
                         if req.is_write
-                        else _short_read(req.file.path, len(view), req.offset)
+                        else short_read(req.file.path, len(view), req.offset)
                     )
                 else:  # resume a short transfer where it stopped
                     req.view = view[res:]
@@ -270,7 +273,7 @@ def _pread_all(fd: int, view: memoryview, offset: int, path: str, end: int) -> N
         while view and offset < end:
             n = os.preadv(fd, [view], offset)
             if n == 0:
-                raise _short_read(path, len(view), offset)
+                raise short_read(path, len(view), offset)
             view = view[n:]
             offset += n
     except ShortReadError:
@@ -396,9 +399,9 @@ class IOResources:
         if self._pool is not None and self._pool.count < min_buffers:
             self.close_pool()
         if self._engine is None or self._pool is None:
-            self._pool = BufferPool(self.config.buffer_size, max(self.config.num_buffers, min_buffers))
-            self._engine = create_engine(self.config)
-            self._engine.register_buffers(self._pool.views)
+            engine = self._engine = create_engine(self.config)
+            count = max(self.config.num_buffers, min_buffers)
+            self._pool = BufferPool(self.config.buffer_size, count, on_map=engine.register_buffers)
         return self._engine, self._pool
 
     def close_pool(self) -> None:

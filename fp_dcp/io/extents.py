@@ -223,9 +223,17 @@ class Window:
                 if not self.users[id(arena)] and arena is not self.arena:
                     self.pool.free.append(arena)
 
-    def finish(self) -> None:
+    def settle(self) -> None:
+        """Retire every transfer in flight."""
         while self.inflight:
             self._retire_oldest()
+
+    def moved(self, extent: Extent) -> None:
+        """Count an extent whose bytes the caller moved itself, after ``settle`` (retires keep file order)."""
+        self.progress.advance(extent.direct.memory.nbytes if extent.direct else sum(p.length for p in extent.parts))
+
+    def finish(self) -> None:
+        self.settle()
         self.progress.finish()
         if self.arena is not None:
             self.pool.free.append(self.arena)

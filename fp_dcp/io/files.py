@@ -22,9 +22,12 @@ from .device import filesystem_of
 
 __all__ = [
     "DataFile",
+    "ShortReadError",
+    "short_read",
     "open_file",
     "probe_file",
     "kernel_copies",
+    "in_memory",
     "preallocate",
     "fsync_path",
     "fsync_directory",
@@ -36,6 +39,14 @@ __all__ = [
 # Our file layout guarantees co-alignment modulo one page; a filesystem that
 # needs more than that for direct I/O is served through the page cache.
 MAX_DIRECT_ALIGN = PAGE
+
+
+class ShortReadError(OSError):
+    """A read found the end of the file before the bytes it asked for (the file is shorter than expected)."""
+
+
+def short_read(path: str, nbytes: int, offset: int) -> ShortReadError:
+    return ShortReadError(errno_mod.EIO, f"file ends before byte {offset + nbytes} (truncated?)", path)
 
 
 class DataFile:

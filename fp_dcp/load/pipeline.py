@@ -34,11 +34,11 @@ from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
 from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
-from ..io.checksum import Checksummer
+from ..io.checksum import BOUNCE, Checksummer
 from ..io.device import in_place
-from ..io.engine import Engine, ShortReadError
+from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, open_file
+from ..io.files import DataFile, ShortReadError, in_memory, open_file
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller
@@ -385,6 +385,7 @@ def read_items(
     filler: UserfaultFiller | None = None
     try:
         placements = {name: _placement(config, files[name], pool) for name in by_file}
+        in_memory_files = {f.path for f in files.values() if f.copied and in_memory(os.path.dirname(f.path) or ".")}
         if prefaulter is not None and "in place" not in placements.values():
             filler = UserfaultFiller()  # fills untouched targets page by page: no read goes straight into them
         streams = []
@@ -393,13 +394,22 @@ def read_items(
             items.sort(key=lambda it: it.location.offset)
             ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, filler, lookahead)
             pieces = _pieces(ahead, placements[name])
-            extents = plan_extents(pieces, f.align, pool.size, config.direct_min, _MAX_WASTE)
+            align = 1 if f.path in in_memory_files else f.align  # memory takes any offset, also with O_DIRECT
+            extents = plan_extents(pieces, align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
             buffer: memoryview | None
             if extent.direct is not None:
                 owner = extent.direct.owner
                 owner.prepared.wait(extent.direct.owner_offset + extent.length)  # a read into it would fault
+                if f.path in in_memory_files:  # the CPU copies: through a small buffer, the CRC in the same pass
+                    window.settle()  # the item's earlier extents first: its CRC runs in file order
+                    owner.crc = checksum.read_crc32c(f, extent.file_offset, extent.direct.memory, owner.crc)
+                    window.moved(extent)
+                    _advance(owner, extent.length)
+                    read += extent.length
+                    issued += -(-extent.length // BOUNCE)
+                    continue
                 buffer, into = None, extent.direct.memory
             else:
                 buffer = into = window.stage(extent.length)
