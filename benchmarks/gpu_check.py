@@ -413,13 +413,6 @@ def flat_figures(r: dict[str, Any]) -> dict[str, float]:
 def table(r: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, measured) rows of every section that ran, then the bars."""
     rows: list[tuple[str, str]] = []
-    if r.get("tests_status") is not None:
-        rows.append(
-            (
-                "tests (staging, page-locking, overlap, kernels)",
-                "passed" if r["tests_status"] == 0 else f"FAILED (exit {r['tests_status']})",
-            )
-        )
     if "peaks" in r:
         rows.append(
             ("pinned copy peaks D2H / H2D", f"{r['peaks']['d2h_gbps']:.1f} / {r['peaks']['h2d_gbps']:.1f} GB/s")
@@ -526,7 +519,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=330, help="skip sections once this much time is spent")
     ap.add_argument("--demo-args", default=DEMO_ARGS, help="arguments for examples/train_demo.py")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (names above)")
-    ap.add_argument("--tests-status", type=int, help="exit status of the test run before (for the table)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     began = time.perf_counter()
@@ -542,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "engine": engine,
-        "tests_status": args.tests_status,
         "fio": fio_binary(),
     }
     print(f"device: {results['device']}, torch {results['torch']}, engine {engine['engine']}", flush=True)
