@@ -214,7 +214,7 @@ class Window:
         ticket, extent, staged, arena = self.inflight[0]
         self.engine.wait(ticket)  # on failure the extent stays for abort() to reclaim
         self.inflight.popleft()
-        self.progress.advance(extent.direct.memory.nbytes if extent.direct else sum(p.length for p in extent.parts))
+        self.count(extent)
         try:
             self.retire(extent, staged)
         finally:
@@ -228,8 +228,9 @@ class Window:
         while self.inflight:
             self._retire_oldest()
 
-    def moved(self, extent: Extent) -> None:
-        """Count an extent whose bytes the caller moved itself, after ``settle`` (retires keep file order)."""
+    def count(self, extent: Extent) -> None:
+        """Count ``extent``'s item bytes as moved: as it retires, or where the caller moved them itself (after
+        ``settle``, so that retires keep file order)."""
         self.progress.advance(extent.direct.memory.nbytes if extent.direct else sum(p.length for p in extent.parts))
 
     def finish(self) -> None:

@@ -405,7 +405,7 @@ def read_items(
                 if f.path in in_memory_files:  # the CPU copies: through a small buffer, the CRC in the same pass
                     window.settle()  # the item's earlier extents first: its CRC runs in file order
                     owner.crc = checksum.read_crc32c(f, extent.file_offset, extent.direct.memory, owner.crc)
-                    window.moved(extent)
+                    window.count(extent)
                     _advance(owner, extent.length)
                     read += extent.length
                     issued += -(-extent.length // BOUNCE)
