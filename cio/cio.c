@@ -12,7 +12,8 @@
  *   instruction (three interleaved streams), else tables; copies fold as they
  *   go where the CPU has VPCLMULQDQ (copy_fold); GIL released; given a
  *   Hash128, they feed it the same bytes in the same pass. crc32c_combine
- *   joins the CRCs of pieces checksummed apart.
+ *   joins the CRCs of pieces checksummed apart. read_crc32c reads a file in
+ *   memory through a small buffer and copies it on, checksummed the same way.
  * - Hash128: a running XXH3-128 (libxxhash), the content hash incremental
  *   saves compare items by. Absent when built without libxxhash.
  * - dio_alignment / fallocate / address: small system helpers; populate and
