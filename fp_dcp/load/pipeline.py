@@ -385,7 +385,7 @@ def read_items(
     filler: UserfaultFiller | None = None
     try:
         placements = {name: _placement(config, files[name], pool) for name in by_file}
-        in_memory_files = {f.path for f in files.values() if f.copied and in_memory(os.path.dirname(f.path) or ".")}
+        in_memory_files = {f.path for f in files.values() if in_memory(os.path.dirname(f.path) or ".")}
         if prefaulter is not None and "in place" not in placements.values():
             filler = UserfaultFiller()  # fills untouched targets page by page: no read goes straight into them
         streams = []
