@@ -285,6 +285,28 @@ def test_dio_alignment_and_fallocate(tmp_path):
     assert _cio.address(memoryview(buf)[100:]) == _cio.address(buf) + 100
 
 
+def test_cached_pages_counts_what_the_page_cache_holds(tmp_path):
+    path = tmp_path / "c"
+    path.write_bytes(os.urandom(5 * mmap.PAGESIZE + 1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _cio.cached_pages(fd, 0, 1) is None:
+            pytest.skip("the kernel has no cachestat (Linux 6.5)")
+        assert _cio.cached_pages(fd, 0, 1 << 40) == 6  # just written: every page, the partial last one too
+        assert _cio.cached_pages(fd, mmap.PAGESIZE, 2 * mmap.PAGESIZE) == 2
+        assert _cio.cached_pages(fd, 0, 0) == 0  # an empty range, not cachestat's "to the end"
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert _cio.cached_pages(fd, 0, 1 << 40) == 0
+        os.pread(fd, 10, 2 * mmap.PAGESIZE)
+        assert 1 <= _cio.cached_pages(fd, 0, 1 << 40) <= 6  # the page read, and what readahead brought with it
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        _cio.cached_pages(-1, 0, 10)
+    assert e.value.errno == errno.EBADF
+
+
 def _anonymous(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 

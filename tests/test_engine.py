@@ -28,6 +28,7 @@ from fp_dcp import IOConfig, _cio, log
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io import buffers, engine, files
 from fp_dcp.io.buffers import BufferPool
+from fp_dcp.tools.workload import evict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -489,6 +490,7 @@ def test_a_load_that_reads_every_byte_in_place_maps_no_staging_buffer(tmp_path):
     state = {"w": torch.randn(1 << 20), "b": torch.arange(1 << 18)}  # small ones would be gathered: staged
     save(state, tmp_path / "ck", config=IOConfig(direct_io=False))
     for config, staged in ((IOConfig(direct_io=False), False), (IOConfig(direct_reads=False), True)):
+        evict(str(tmp_path / "ck"))  # written through the page cache: all there, they would be read from memory
         target = empty_like(state)  # buffered files are read in place (the kernel copies); staged: into buffers
         reader = load(target, tmp_path / "ck", config=config)
         assert all(torch.equal(target[k], v) for k, v in state.items())

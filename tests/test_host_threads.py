@@ -18,7 +18,8 @@ from fp_dcp import CorruptCheckpointError, IOConfig, _cio
 from fp_dcp.io import checksum, prefault
 from fp_dcp.io.checksum import BOUNCE, MIN_SLICE, Checksummer
 from fp_dcp.io.device import filesystem_of
-from fp_dcp.io.files import ShortReadError, open_file
+from fp_dcp.io.files import ShortReadError, in_memory, open_file, probe_file
+from fp_dcp.tools.workload import evict
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
@@ -62,19 +63,25 @@ def test_reads_through_a_small_buffer_equal_one_pass(tmp_path, threads, size):
         summer.close()
 
 
-@pytest.mark.skipif(filesystem_of("/dev/shm") != "tmpfs", reason="no tmpfs at /dev/shm here")
-def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(tmp_path, monkeypatch):
-    """From a file in memory, a read into the target is a copy the CPU makes; it goes through a small buffer per
-    thread with the CRC folded in, and a flipped byte is still caught."""
-    state = {"w": torch.randn(3 << 20), "m": torch.randn(2048, 1024), "b": torch.arange(10)}
-    read: list[int] = []
+@pytest.fixture
+def read(monkeypatch) -> list[int]:
+    """The bytes of each ``Checksummer.read_crc32c`` call: what a load read from memory through the threads."""
+    calls: list[int] = []
     real = Checksummer.read_crc32c
 
     def spy(self, f, offset, dst, crc=0):
-        read.append(dst.nbytes)
+        calls.append(dst.nbytes)
         return real(self, f, offset, dst, crc)
 
     monkeypatch.setattr(Checksummer, "read_crc32c", spy)
+    return calls
+
+
+@pytest.mark.skipif(filesystem_of("/dev/shm") != "tmpfs", reason="no tmpfs at /dev/shm here")
+def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(tmp_path, read):
+    """From a file in memory, a read into the target is a copy the CPU makes; it goes through a small buffer per
+    thread with the CRC folded in, and a flipped byte is still caught."""
+    state = {"w": torch.randn(3 << 20), "m": torch.randn(2048, 1024), "b": torch.arange(10)}
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         save(state, Path(shm) / "ck")
         target = empty_like(state)
@@ -91,6 +98,52 @@ def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(
             load(empty_like(state), Path(shm) / "ck")
         assert isinstance(failure(e), CorruptCheckpointError) and "checksum mismatch" in str(failure(e))
         assert read
+
+
+def test_loads_of_files_in_the_page_cache_read_them_there(tmp_path, monkeypatch, read):
+    """A disk file whose every page is cached is read through the page cache by the threads, as from tmpfs, not
+    from the disk again with O_DIRECT; a file not (or not all) cached, or where the kernel cannot tell, or with
+    ``direct_io=True``, is read as before."""
+    if in_memory(str(tmp_path)) or not probe_file(str(tmp_path), None).direct:
+        pytest.skip("needs a disk filesystem that takes O_DIRECT")
+    state = {"w": torch.randn(3 << 20), "m": torch.randn(2048, 1024), "b": torch.arange(10)}
+    large = state["w"].nbytes + state["m"].nbytes
+    ck = tmp_path / "ck"
+    save(state, ck)
+    data = [p for p in ck.iterdir() if p.suffix == ".distcp"]
+    with open(data[0], "rb") as f:
+        if _cio.cached_pages(f.fileno(), 0, 1) is None:
+            pytest.skip("the kernel has no cachestat (Linux 6.5)")
+
+    def loaded(config: IOConfig | None = None) -> list[int]:
+        read.clear()
+        target = empty_like(state)
+        load(target, ck, config=config)
+        assert all(torch.equal(target[k], v) for k, v in state.items())
+        return list(read)
+
+    evict(str(ck))
+    assert loaded() == []  # saved with O_DIRECT and evicted: from the disk
+    for p in data:
+        p.read_bytes()
+    assert sum(loaded(IOConfig(host_threads=2))) == large
+    assert loaded(IOConfig(direct_io=True)) == []
+    with monkeypatch.context() as m:
+        m.setattr(_cio, "cached_pages", lambda fd, offset, length: None)
+        assert loaded() == []
+    biggest = max(data, key=lambda p: p.stat().st_size)
+    fd = os.open(biggest, os.O_RDONLY)
+    os.posix_fadvise(fd, biggest.stat().st_size // 2, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    assert sum(loaded()) < large  # half of its file evicted: the disk serves that file
+    raw = bytearray(biggest.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    biggest.write_bytes(raw)  # in the page cache, dirty
+    read.clear()
+    with pytest.raises(CheckpointException) as e:
+        load(empty_like(state), ck)
+    assert isinstance(failure(e), CorruptCheckpointError) and "checksum mismatch" in str(failure(e))
+    assert read
 
 
 def test_large_ranges_are_split_over_the_threads(monkeypatch):

@@ -28,6 +28,8 @@ __all__ = [
     "probe_file",
     "kernel_copies",
     "in_memory",
+    "cached",
+    "from_memory",
     "preallocate",
     "fsync_path",
     "fsync_directory",
@@ -158,6 +160,20 @@ def in_memory(directory: str) -> bool:
     if device not in _MEMORY_BY_DEVICE:
         _MEMORY_BY_DEVICE[device] = filesystem_of(directory) in _MEMORY_FILESYSTEMS
     return _MEMORY_BY_DEVICE[device]
+
+
+def cached(f: DataFile) -> bool:
+    """Whether every page of ``f`` is in the page cache (cachestat, Linux 6.5); False where the kernel cannot
+    tell."""
+    size = os.fstat(f.fd).st_size
+    pages = _cio.cached_pages(f.fd, 0, size)
+    return pages is not None and pages >= -(-size // PAGE)
+
+
+def from_memory(f: DataFile) -> bool:
+    """Whether reads of ``f`` are served from memory, so that the CPU copies every byte and no device waits:
+    it is on a memory filesystem, or it is read through the page cache and every page of it is there."""
+    return in_memory(os.path.dirname(f.path) or ".") or (not f.direct and cached(f))
 
 
 def kernel_copies(directory: str, direct: bool | None) -> bool:

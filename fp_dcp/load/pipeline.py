@@ -38,7 +38,7 @@ from ..io.checksum import BOUNCE, Checksummer
 from ..io.device import in_place
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, ShortReadError, in_memory, open_file
+from ..io.files import DataFile, ShortReadError, cached, from_memory, open_file
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller
@@ -276,6 +276,9 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
                 )
             try:
                 f = open_file(path, create=False, direct=direct)
+                if f.direct and direct is None and cached(f):  # O_DIRECT would read from the disk what is in memory
+                    f.close()
+                    f = open_file(path, create=False, direct=False)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
             files[name] = f
@@ -385,7 +388,7 @@ def read_items(
     filler: UserfaultFiller | None = None
     try:
         placements = {name: _placement(config, files[name], pool) for name in by_file}
-        in_memory_files = {f.path for f in files.values() if in_memory(os.path.dirname(f.path) or ".")}
+        from_memory_files = {f.path for f in files.values() if from_memory(f)}
         if prefaulter is not None and "in place" not in placements.values():
             filler = UserfaultFiller()  # fills untouched targets page by page: no read goes straight into them
         streams = []
@@ -394,7 +397,7 @@ def read_items(
             items.sort(key=lambda it: it.location.offset)
             ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, filler, lookahead)
             pieces = _pieces(ahead, placements[name])
-            align = 1 if f.path in in_memory_files else f.align  # memory takes any offset, also with O_DIRECT
+            align = 1 if f.path in from_memory_files else f.align  # memory takes any offset, also with O_DIRECT
             extents = plan_extents(pieces, align, pool.size, config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
@@ -402,7 +405,7 @@ def read_items(
             if extent.direct is not None:
                 owner = extent.direct.owner
                 owner.prepared.wait(extent.direct.owner_offset + extent.length)  # a read into it would fault
-                if f.path in in_memory_files:  # the CPU copies: through a small buffer, the CRC in the same pass
+                if f.path in from_memory_files:  # the CPU copies: through a small buffer, the CRC in the same pass
                     window.settle()  # the item's earlier extents first: its CRC runs in file order
                     owner.crc = checksum.read_crc32c(f, extent.file_offset, extent.direct.memory, owner.crc)
                     window.count(extent)

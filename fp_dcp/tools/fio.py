@@ -103,11 +103,14 @@ class Jobs(Fio):
     ``:``-separated: job ``j`` writes ``fio.<j>`` in directory ``j`` modulo their count, ``size`` bytes each.
     ``direct=False``: buffered, where the filesystem refuses O_DIRECT. ``allocate_first=False``: no
     ``fallocate`` while fio lays its files out, off its clock: on tmpfs that allocates every page of the
-    file, about half of what a write into it costs, and fp-dcp's saves allocate theirs on theirs."""
+    file, about half of what a write into it costs, and fp-dcp's saves allocate theirs on theirs.
+    ``cached=True``: reads find what the page cache holds (fio drops a file's cached pages before a job by
+    default)."""
 
     jobs: int = 1
     direct: bool = True
     allocate_first: bool = True
+    cached: bool = False
 
     def args(self, path: str, rw: str, size: int, runtime_s: float | None = None) -> list[str]:
         args = [a for a in super().args(path, rw, size, runtime_s) if not a.startswith("--filename=")]
@@ -115,6 +118,8 @@ class Jobs(Fio):
             args[args.index("--direct=1")] = "--direct=0"
         if not self.allocate_first:
             args.append("--fallocate=none")
+        if self.cached:
+            args.append("--invalidate=0")
         jobs = [f"--directory={path}", "--filename_format=fio.$jobnum", f"--numjobs={self.jobs}", "--group_reporting"]
         return args + jobs  # one report for all jobs: bytes summed, the longest job's runtime
 
