@@ -276,6 +276,36 @@ def test_a_read_may_stop_where_the_caller_says_the_file_ends(tmp_path, kind, dir
     pool.close()
 
 
+def test_a_file_all_in_the_page_cache_is_read_through_it(tmp_path, monkeypatch):
+    """O_DIRECT would fetch from the disk what is in memory: a file whose every page is cached is opened for
+    reading without it, where O_DIRECT is only allowed (None); not when required, for writing, or where the
+    file is not all there or the kernel cannot tell."""
+    if files.in_memory(str(tmp_path)) or not files.probe_file(str(tmp_path), None).direct:
+        pytest.skip("needs a disk filesystem that takes O_DIRECT")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * 4096 + 100))  # through the cache: every page there
+    with open(path, "rb") as probe:
+        if _cio.cached_pages(probe.fileno(), 0, 1) is None:
+            pytest.skip("the kernel has no cachestat (Linux 6.5)")
+
+    def direct(**how) -> bool:
+        f = files.open_file(str(path), **how)
+        f.close()
+        return f.direct
+
+    assert not direct(create=False, direct=None)
+    assert direct(create=False, direct=True)
+    assert direct(create=True, direct=None, reuse=True)
+    with monkeypatch.context() as m:
+        m.setattr(_cio, "cached_pages", lambda fd, offset, length: None)
+        assert direct(create=False, direct=None)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 4096, 0, os.POSIX_FADV_DONTNEED)  # the first page stays
+    os.close(fd)
+    assert direct(create=False, direct=None)
+
+
 @pytest.mark.parametrize("kind", ["io_uring", "threads"])
 def test_fault_injection_fails_the_kth_request(tmp_path, kind, monkeypatch):
     if kind == "io_uring" and not _cio.HAVE_IO_URING:

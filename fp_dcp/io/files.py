@@ -28,7 +28,6 @@ __all__ = [
     "probe_file",
     "kernel_copies",
     "in_memory",
-    "cached",
     "from_memory",
     "preallocate",
     "fsync_path",
@@ -108,7 +107,9 @@ def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = Fal
     file whose bytes the writer will overwrite) or reading.
 
     ``direct``: True requires O_DIRECT, False forbids it, None tries it and
-    falls back to the page cache when the filesystem refuses.
+    falls back to the page cache when the filesystem refuses, and, for
+    reading, where every page of the file is in the page cache already (a
+    direct read would fetch from the disk what is in memory).
     """
     if reuse and not create:
         raise ValueError("open_file: reuse=True opens a file for writing, so needs create=True")
@@ -125,14 +126,15 @@ def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = Fal
             log_once(f"fp-dcp: O_DIRECT refused on {os.path.dirname(path) or '.'}; using the page cache")
         else:
             align = _direct_alignment(fd, writing=create)
-            if align is not None:
+            if align is not None and (create or direct or not _all_cached(fd)):
                 return DataFile(path, fd, True, align)
             os.close(fd)
             if create and not reuse:
                 os.unlink(path)
             if direct:
                 raise OSError(errno_mod.EINVAL, "direct I/O is not in effect and direct_io=True", path)
-            log_once(f"fp-dcp: direct I/O not in effect on {os.path.dirname(path) or '.'}; using the page cache")
+            if align is None:
+                log_once(f"fp-dcp: direct I/O not in effect on {os.path.dirname(path) or '.'}; using the page cache")
     return DataFile(path, os.open(path, flags, 0o644), False, 1)
 
 
@@ -162,18 +164,18 @@ def in_memory(directory: str) -> bool:
     return _MEMORY_BY_DEVICE[device]
 
 
-def cached(f: DataFile) -> bool:
-    """Whether every page of ``f`` is in the page cache (cachestat, Linux 6.5); False where the kernel cannot
-    tell."""
-    size = os.fstat(f.fd).st_size
-    pages = _cio.cached_pages(f.fd, 0, size)
+def _all_cached(fd: int) -> bool:
+    """Whether every page of the open file is in the page cache (cachestat, Linux 6.5); False where the kernel
+    cannot tell."""
+    size = os.fstat(fd).st_size
+    pages = _cio.cached_pages(fd, 0, size)
     return pages is not None and pages >= -(-size // PAGE)
 
 
 def from_memory(f: DataFile) -> bool:
     """Whether reads of ``f`` are served from memory, so that the CPU copies every byte and no device waits:
     it is on a memory filesystem, or it is read through the page cache and every page of it is there."""
-    return in_memory(os.path.dirname(f.path) or ".") or (not f.direct and cached(f))
+    return in_memory(os.path.dirname(f.path) or ".") or (not f.direct and _all_cached(f.fd))
 
 
 def kernel_copies(directory: str, direct: bool | None) -> bool:

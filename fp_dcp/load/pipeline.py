@@ -38,7 +38,7 @@ from ..io.checksum import BOUNCE, Checksummer
 from ..io.device import in_place
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, ShortReadError, cached, from_memory, open_file
+from ..io.files import DataFile, ShortReadError, from_memory, open_file
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller
@@ -276,9 +276,6 @@ def _open_all(items: list[_Item], catalog: Catalog, direct: bool | None) -> dict
                 )
             try:
                 f = open_file(path, create=False, direct=direct)
-                if f.direct and direct is None and cached(f):  # O_DIRECT would read from the disk what is in memory
-                    f.close()
-                    f = open_file(path, create=False, direct=False)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"data file {path} is missing; it holds {item.describe()}") from None
             files[name] = f
