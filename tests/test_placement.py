@@ -20,6 +20,7 @@ from fp_dcp import (
     verify_checkpoint,
 )
 from fp_dcp.io.device import filesystem_of
+from fp_dcp.io.engine import Engine
 from fp_dcp.io.files import kernel_copies
 from fp_dcp.save import placement
 from fp_dcp.save.placement import LANE_BYTES, auto_lanes, planned_bytes
@@ -129,6 +130,29 @@ def test_auto_lanes_write_several_files_where_the_page_cache_copies(tmp_path, mo
     assert len(writer.last_save.files) == files
     assert writer._io.get()[1].count >= 2 * files
     assert_loads(tmp_path / "ckpt", 3, data_dirs=dirs)
+
+
+def test_large_items_are_written_in_turn_with_the_other_files_a_block_at_a_time(tmp_path, monkeypatch):
+    """An item written from its memory goes in runs of ``block_size``, interleaved with the other files' runs: a
+    large one does not hold every write in flight to its own file while the others wait."""
+    writes: list[tuple[str, int]] = []
+    real = Engine.write
+
+    def spy(self, file, data, offset):
+        writes.append((file.path, data.nbytes))
+        return real(self, file, data, offset)
+
+    monkeypatch.setattr(Engine, "write", spy)
+    state = {"a": torch.randn(1 << 18), "b": torch.randn(1 << 18)}  # 1 MiB each: one a file
+    config = IOConfig(direct_io=False, block_size=128 << 10, direct_min=64 << 10)
+    writer = save(state, tmp_path / "ck", lanes_per_dir=2, config=config)
+    assert len(writer.last_save.files) == 2
+    assert [n for _, n in writes] == [128 << 10] * 16
+    order = [path for path, _ in writes]
+    assert order[0] != order[1] and order == order[:2] * 8  # the two files in turn
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    load(target, tmp_path / "ck")
+    assert all(torch.equal(target[k], v) for k, v in state.items())
 
 
 def test_auto_lanes_write_one_file_a_directory_with_o_direct(tmp_path):

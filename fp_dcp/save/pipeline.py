@@ -26,7 +26,7 @@ import io
 import itertools
 import mmap
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -116,6 +116,20 @@ def _split(items: list[Item], n: int) -> list[list[Item]]:
     for item, group in zip(items, owners, strict=True):
         groups[group].append(item)
     return groups
+
+
+def _pieces(item: Placed, from_memory: bool, most: int) -> Iterator[Piece]:
+    """``item``'s bytes as pieces for ``plan_extents``: written from its memory (``from_memory``), runs of at
+    most ``most`` bytes, one request each. Interleaved with the other files' runs, a large item then holds
+    only its share of the requests in flight, not all of them: the other files' devices, or on tmpfs the
+    kernel's other workers (each copies into one file at a time), keep busy."""
+    memory = item.source.memory if from_memory else None
+    if memory is None or item.source.nbytes <= most:
+        yield Piece(item.offset, item.source.nbytes, item, 0, memory)
+        return
+    for at in range(0, item.source.nbytes, most):
+        n = min(most, item.source.nbytes - at)
+        yield Piece(item.offset + at, n, item, at, memory[at : at + n])
 
 
 def _zero(buf: memoryview, start: int, stop: int) -> None:
@@ -223,9 +237,7 @@ def write_laid_out(
         streams = []
         for f, (_, items, _) in zip(files, plans, strict=True):
             from_memory = in_place(config.direct_writes, f, pool)
-            pieces = [
-                Piece(it.offset, it.source.nbytes, it, 0, it.source.memory if from_memory else None) for it in items
-            ]
+            pieces = [piece for it in items for piece in _pieces(it, from_memory, config.block_size)]
             streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
         reads_tensors = False  # whether a transfer reads tensor memory until it completes
         for f, extent in interleave(streams):
