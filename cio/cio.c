@@ -18,10 +18,9 @@
  *   saves compare items by. Absent when built without libxxhash.
  * - dio_alignment / fallocate / cached_pages / address: small system
  *   helpers; populate and advise_huge prepare memory a load is about to
- *   fill; userfaultfd,
- *   register_untouched, fill_crc32c, serve_faults and unregister fill
- *   untouched memory page by page (UFFDIO_COPY), without the kernel
- *   clearing it first.
+ *   fill; userfaultfd, register_untouched, fill_crc32c, serve_faults and
+ *   unregister fill untouched memory page by page (UFFDIO_COPY), without
+ *   the kernel clearing it first.
  *
  * Every libc/liburing return code is checked; errors become OSError.
  */
@@ -772,8 +771,8 @@ struct fp_cachestat {
 PyDoc_STRVAR(cached_pages_doc,
              "cached_pages(fd, offset, length, /) -> int | None\n\n"
              "Pages of [offset, offset + length) of an open file that are in the page cache, dirty ones "
-             "included (cachestat); None where the kernel cannot tell (before Linux 6.5, or a seccomp "
-             "filter refusing the call).");
+             "included (cachestat); None where the kernel cannot tell (before Linux 6.5, a seccomp "
+             "filter refusing the call, a file without a page cache).");
 
 static PyObject *py_cached_pages(PyObject *self, PyObject *args)
 {
@@ -790,7 +789,7 @@ static PyObject *py_cached_pages(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS rc = syscall(__NR_cachestat, fd, &range, &cs, 0);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
-        if (errno == ENOSYS || errno == EPERM)
+        if (errno == ENOSYS || errno == EPERM || errno == EOPNOTSUPP)
             Py_RETURN_NONE;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
