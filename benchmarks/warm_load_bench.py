@@ -48,7 +48,7 @@ from fp_dcp import FastPersistReader, FastPersistWriter, _cio
 from fp_dcp.config import IOConfig
 from fp_dcp.tools.fio import Jobs, installed
 from fp_dcp.tools.workload import cpu_seconds, fresh_allocations, llm_state_dict, targets, tensor_bytes
-from fp_dcp.units import MiB
+from fp_dcp.units import PAGE, MiB
 
 KINDS = ("touched", "fresh")
 
@@ -70,8 +70,8 @@ def read_into_cache(directory: str) -> list[str]:
                 pass
             size = os.fstat(f.fileno()).st_size
             pages = _cio.cached_pages(f.fileno(), 0, size)
-            if pages is None or pages < -(-size // 4096):
-                partly.append(f"{os.path.relpath(path, directory)} ({pages} of {-(-size // 4096)} pages)")
+            if pages is None or pages < -(-size // PAGE):
+                partly.append(f"{os.path.relpath(path, directory)} ({pages} of {-(-size // PAGE)} pages)")
     return partly
 
 

@@ -118,12 +118,12 @@ def _split(items: list[Item], n: int) -> list[list[Item]]:
     return groups
 
 
-def _pieces(item: Placed, from_memory: bool, most: int) -> Iterator[Piece]:
-    """``item``'s bytes as pieces for ``plan_extents``: written from its memory (``from_memory``), runs of at
+def _pieces(item: Placed, from_tensor: bool, most: int) -> Iterator[Piece]:
+    """``item``'s bytes as pieces for ``plan_extents``: written from its memory (``from_tensor``), runs of at
     most ``most`` bytes, one request each. Interleaved with the other files' runs, a large item then holds
     only its share of the requests in flight, not all of them: the other files' devices, or on tmpfs the
     kernel's other workers (each copies into one file at a time), keep busy."""
-    memory = item.source.memory if from_memory else None
+    memory = item.source.memory if from_tensor else None
     if memory is None or item.source.nbytes <= most:
         yield Piece(item.offset, item.source.nbytes, item, 0, memory)
         return
@@ -236,8 +236,8 @@ def write_laid_out(
             _preallocate(files, [size for _, _, size in plans], checksum.threads)
         streams = []
         for f, (_, items, _) in zip(files, plans, strict=True):
-            from_memory = in_place(config.direct_writes, f, pool)
-            pieces = [piece for it in items for piece in _pieces(it, from_memory, config.block_size)]
+            from_tensors = in_place(config.direct_writes, f, pool)
+            pieces = [piece for it in items for piece in _pieces(it, from_tensors, config.block_size)]
             streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
         reads_tensors = False  # whether a transfer reads tensor memory until it completes
         for f, extent in interleave(streams):
