@@ -18,6 +18,7 @@ from cuda_double import CpuAsDevice, CpuTargetsAsDevice, CudaRuntimeDouble
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fp_dcp.io.buffers
+import fp_dcp.io.files
 import fp_dcp.load.reader
 import fp_dcp.save.resources
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, compat
@@ -159,6 +160,22 @@ def gpu(request) -> Iterator[Gpu]:
     yield Gpu(torch.device("cuda"), None)
     torch.cuda.synchronize()
     assert cudart.runtime().cudaGetLastError() == 0
+
+
+@pytest.fixture
+def disk_with_page_cache(tmp_path) -> Path:
+    """``tmp_path``, where it is on a disk filesystem that takes O_DIRECT and the kernel says what the page cache
+    holds (cachestat, Linux 6.5): what a test of reading cached files through the cache, not the disk, needs."""
+    if fp_dcp.io.files.in_memory(str(tmp_path)) or not fp_dcp.io.files.probe_file(str(tmp_path), None).direct:
+        pytest.skip("needs a disk filesystem that takes O_DIRECT")
+    probe = tmp_path / ".cachestat-probe"
+    probe.write_bytes(b"x")
+    with open(probe, "rb") as f:
+        told = _cio.cached_pages(f.fileno(), 0, 1) is not None
+    probe.unlink()
+    if not told:
+        pytest.skip("the kernel has no cachestat (Linux 6.5)")
+    return tmp_path
 
 
 def needs_torch(feature: compat.TorchFeature) -> pytest.MarkDecorator:

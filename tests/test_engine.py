@@ -276,17 +276,12 @@ def test_a_read_may_stop_where_the_caller_says_the_file_ends(tmp_path, kind, dir
     pool.close()
 
 
-def test_a_file_all_in_the_page_cache_is_read_through_it(tmp_path, monkeypatch):
+def test_a_file_all_in_the_page_cache_is_read_through_it(disk_with_page_cache, monkeypatch):
     """O_DIRECT would fetch from the disk what is in memory: a file whose every page is cached is opened for
     reading without it, where O_DIRECT is only allowed (None); not when required, for writing, or where the
     file is not all there or the kernel cannot tell."""
-    if files.in_memory(str(tmp_path)) or not files.probe_file(str(tmp_path), None).direct:
-        pytest.skip("needs a disk filesystem that takes O_DIRECT")
-    path = tmp_path / "f"
+    path = disk_with_page_cache / "f"
     path.write_bytes(os.urandom(3 * 4096 + 100))  # through the cache: every page there
-    with open(path, "rb") as probe:
-        if _cio.cached_pages(probe.fileno(), 0, 1) is None:
-            pytest.skip("the kernel has no cachestat (Linux 6.5)")
 
     def direct(**how) -> bool:
         f = files.open_file(str(path), **how)

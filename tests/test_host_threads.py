@@ -18,7 +18,7 @@ from fp_dcp import CorruptCheckpointError, IOConfig, _cio
 from fp_dcp.io import checksum, prefault
 from fp_dcp.io.checksum import BOUNCE, MIN_SLICE, Checksummer
 from fp_dcp.io.device import filesystem_of
-from fp_dcp.io.files import ShortReadError, in_memory, open_file, probe_file
+from fp_dcp.io.files import ShortReadError, open_file
 from fp_dcp.tools.workload import evict
 
 
@@ -100,20 +100,15 @@ def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(
         assert read
 
 
-def test_loads_of_files_in_the_page_cache_read_them_there(tmp_path, monkeypatch, read):
+def test_loads_of_files_in_the_page_cache_read_them_there(disk_with_page_cache, monkeypatch, read):
     """A disk file whose every page is cached is read through the page cache by the threads, as from tmpfs, not
     from the disk again with O_DIRECT; a file not (or not all) cached, or where the kernel cannot tell, or with
     ``direct_io=True``, is read as before."""
-    if in_memory(str(tmp_path)) or not probe_file(str(tmp_path), None).direct:
-        pytest.skip("needs a disk filesystem that takes O_DIRECT")
     state = {"w": torch.randn(3 << 20), "m": torch.randn(2048, 1024), "b": torch.arange(10)}
     large = state["w"].nbytes + state["m"].nbytes
-    ck = tmp_path / "ck"
+    ck = disk_with_page_cache / "ck"
     save(state, ck)
     data = [p for p in ck.iterdir() if p.suffix == ".distcp"]
-    with open(data[0], "rb") as f:
-        if _cio.cached_pages(f.fileno(), 0, 1) is None:
-            pytest.skip("the kernel has no cachestat (Linux 6.5)")
 
     def loaded(config: IOConfig | None = None) -> list[int]:
         read.clear()
