@@ -13,7 +13,8 @@
  *   go where the CPU has VPCLMULQDQ (copy_fold); GIL released; given a
  *   Hash128, they feed it the same bytes in the same pass. crc32c_combine
  *   joins the CRCs of pieces checksummed apart. read_crc32c reads a file in
- *   memory through a small buffer and copies it on, checksummed the same way.
+ *   memory through a small buffer and copies it on, checksummed the same way;
+ *   write_crc32c writes one step by step, checksumming each step after it.
  * - Hash128: a running XXH3-128 (libxxhash), the content hash incremental
  *   saves compare items by. Absent when built without libxxhash.
  * - dio_alignment / fallocate / cached_pages / address: small system
@@ -344,6 +345,13 @@ static int hash_feed(HashObject *h, const void *p, size_t n)
     return XXH3_128bits_update(h->state, p, n) == XXH_OK ? 0 : -1;
 }
 
+/* Give back what hash_claim took (h may be NULL: no hasher). */
+static void hash_release(HashObject *h)
+{
+    if (h)
+        h->busy = 0;
+}
+
 #else
 typedef struct HashObject HashObject;
 static HashObject *hash_claim(PyObject *obj)
@@ -358,6 +366,7 @@ static int hash_feed(HashObject *h, const void *p, size_t n)
     (void)h, (void)p, (void)n;
     return -1;
 }
+static void hash_release(HashObject *h) { (void)h; }
 #endif
 
 /* Checksum (and, with dst, copy) in cache-sized steps: each step is checksummed and hashed first, which brings
@@ -521,10 +530,7 @@ static int checksum_buffers(Py_buffer *dst, Py_buffer *src, uint32_t *crc, PyObj
     } else {
         rc = copy_crc_hash(out, src->buf, (size_t)src->len, crc, h);
     }
-#ifdef FP_DCP_HAVE_XXHASH
-    if (h)
-        h->busy = 0;
-#endif
+    hash_release(h);
     if (rc < 0) {
         PyErr_SetString(PyExc_RuntimeError, "XXH3_128bits_update failed");
         return -1;
@@ -630,6 +636,67 @@ static PyObject *py_read_crc32c(PyObject *self, PyObject *args)
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&bounce);
+    return result;
+}
+
+PyDoc_STRVAR(write_crc32c_doc,
+             "write_crc32c(fd, offset, src, step, crc=0, hasher=None, /) -> int\n\n"
+             "Write src to fd at offset, step bytes per pwrite, and return the CRC-32C of its bytes continued "
+             "from crc, each step checksummed (and fed to hasher, a Hash128) right after its write. GIL released; "
+             "a write that fails raises OSError, one that writes nothing EIO.");
+
+/* For files in memory (tmpfs): the write is the kernel's copy out of src, so a step's bytes are in this core's
+ * cache when it returns, and the CRC reads them there rather than from memory a second time. Returns 0 or an
+ * errno. */
+static int write_through(int fd, uint64_t offset, const uint8_t *src, size_t n, size_t step, uint32_t *crc,
+                         HashObject *h)
+{
+    size_t done = 0;
+    while (done < n) {
+        size_t want = n - done < step ? n - done : step;
+        ssize_t put = pwrite(fd, src + done, want, (off_t)(offset + done));
+        if (put < 0 && errno == EINTR)
+            continue;
+        if (put < 0)
+            return errno;
+        if (put == 0)
+            return EIO;
+        if (copy_crc_hash(NULL, src + done, (size_t)put, crc, h) < 0)
+            return -1;
+        done += (size_t)put;
+    }
+    return 0;
+}
+
+static PyObject *py_write_crc32c(PyObject *self, PyObject *args)
+{
+    int fd, err = 0;
+    unsigned long long offset;
+    Py_ssize_t step;
+    Py_buffer src;
+    PyObject *crc_obj = NULL, *hasher = NULL, *result = NULL;
+    HashObject *h = NULL;
+    uint32_t crc = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iKy*n|OO:write_crc32c", &fd, &offset, &src, &step, &crc_obj, &hasher))
+        return NULL;
+    if (step <= 0)
+        PyErr_SetString(PyExc_ValueError, "write_crc32c: step must be positive");
+    else if ((!crc_obj || parse_crc(crc_obj, &crc) == 0) &&
+             (!hasher || hasher == Py_None || (h = hash_claim(hasher)))) {
+        Py_BEGIN_ALLOW_THREADS err = write_through(fd, offset, src.buf, (size_t)src.len, (size_t)step, &crc, h);
+        Py_END_ALLOW_THREADS
+        hash_release(h);
+        if (err < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "XXH3_128bits_update failed");
+        } else if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+        } else {
+            result = PyLong_FromUnsignedLong(crc);
+        }
+    }
+    PyBuffer_Release(&src);
     return result;
 }
 
@@ -1679,6 +1746,7 @@ static PyMethodDef module_methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, crc32c_doc},
     {"copy_crc32c", py_copy_crc32c, METH_VARARGS, copy_crc32c_doc},
     {"read_crc32c", py_read_crc32c, METH_VARARGS, read_crc32c_doc},
+    {"write_crc32c", py_write_crc32c, METH_VARARGS, write_crc32c_doc},
     {"crc32c_combine", py_crc32c_combine, METH_VARARGS, crc32c_combine_doc},
     {"populate", py_populate, METH_O, populate_doc},
     {"userfaultfd", py_userfaultfd, METH_NOARGS, userfaultfd_doc},

@@ -183,6 +183,34 @@ def test_hasher_must_be_a_hash128():
     assert _cio.crc32c(b"abc", 0, None) == _cio.crc32c(b"abc")
 
 
+@pytest.mark.parametrize("length, step", [(0, 4096), (1, 4096), (300_001, 4096), (300_001, 1 << 20)])
+def test_write_crc32c_writes_step_by_step_and_checksums_what_it_wrote(tmp_path, length, step):
+    data = random.Random(length).randbytes(length)
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert _cio.write_crc32c(fd, 7, data, step, 0x1234) == _cio.crc32c(data, 0x1234)
+        assert os.pread(fd, length + 8, 0) == (bytes(7) + data if length else b"")  # nothing written: no file extended
+        if hasattr(_cio, "Hash128"):
+            fed, expected = _cio.Hash128(), _cio.Hash128()
+            expected.update(data)
+            assert _cio.write_crc32c(fd, 0, data, step, 0, fed) == _cio.crc32c(data)
+            assert fed.hexdigest() == expected.hexdigest()
+        with pytest.raises(ValueError, match="step must be positive"):
+            _cio.write_crc32c(fd, 0, data, 0)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        _cio.write_crc32c(fd, 0, b"x", 4096)  # closed
+    assert e.value.errno == errno.EBADF
+    read_only = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            _cio.write_crc32c(read_only, 0, b"x", 4096)
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(read_only)
+
+
 def test_ring_write_read_fsync_roundtrip(tmp_path):
     path = tmp_path / "f"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT)
