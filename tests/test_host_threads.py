@@ -3,10 +3,12 @@ faulted in ahead of the reads (``io.prefault``)."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,34 @@ def test_large_ranges_are_split_over_the_threads(monkeypatch):
     calls.clear()
     assert Checksummer(3).crc32c(memoryview(data[: MIN_SLICE + 1])) == real(data[: MIN_SLICE + 1])
     assert calls == [(here, MIN_SLICE + 1)]  # too small to be worth a second thread
+
+
+def test_run_all_runs_the_tasks_at_once_and_raises_the_first_failure_once_all_ended():
+    summer = Checksummer(3)
+    try:
+        together = threading.Barrier(3, timeout=30)  # breaks unless all three run at once
+        seen: list[str] = []
+        summer.run_all([lambda: seen.append(threading.current_thread().name) or together.wait()] * 3)
+        assert len(set(seen)) == 3 and threading.current_thread().name in seen
+        ended = threading.Event()
+
+        def slow() -> None:
+            time.sleep(0.2)
+            ended.set()
+
+        def fail() -> None:
+            raise OSError(errno.ENOSPC, "full")
+
+        for tasks in ([fail, slow], [slow, fail]):  # the failure in this thread, then in a pool thread
+            ended.clear()
+            with pytest.raises(OSError, match="full"):
+                summer.run_all(tasks)
+            assert ended.is_set()
+        with pytest.raises(ValueError, match="4 tasks for 3 threads"):
+            summer.run_all([slow] * 4)
+        summer.run_all([])
+    finally:
+        summer.close()
 
 
 @needs_xxhash

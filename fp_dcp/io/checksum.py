@@ -12,7 +12,7 @@ a running XXH3-128 (which cannot be split), stay in the calling thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from .. import _cio
@@ -79,16 +79,34 @@ class Checksummer:
 
         return self._sliced(read, out.nbytes, crc)
 
+    def run_all(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """Run ``tasks`` (at most ``threads``) at once, the first in this thread; return once every one has ended,
+        raising the first failure."""
+        if len(tasks) > self.threads:
+            raise ValueError(f"run_all: {len(tasks)} tasks for {self.threads} threads")
+        if not tasks:
+            return
+        started = [self._workers().submit(task) for task in tasks[1:]]
+        try:
+            tasks[0]()
+        finally:
+            wait(started)
+        for task in started:
+            task.result()
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="fp-dcp-crc")
+        return self._pool
+
     def _sliced(self, run: Callable[[int, int, int], int], n: int, crc: int) -> int:
         """``run(start, length, crc)`` over ``n`` bytes cut into slices, run on the threads, CRCs joined in order."""
         count = min(self.threads, n // MIN_SLICE)
         if count <= 1:
             return run(0, n, crc)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="fp-dcp-crc")
         step = -(-n // count)
         slices = [(start, min(step, n - start)) for start in range(0, n, step)]
-        tasks = [self._pool.submit(run, start, k, 0) for start, k in slices[1:]]
+        tasks = [self._workers().submit(run, start, k, 0) for start, k in slices[1:]]
         start, k = slices[0]
         try:
             crc = run(start, k, crc)

@@ -69,6 +69,11 @@ class Extent(NamedTuple):
     parts: list[Part]  # staged extents: what the buffer holds
     direct: Direct | None  # direct extents: the run moved in place
 
+    @property
+    def payload(self) -> int:
+        """The item bytes it moves, without alignment gaps and padding."""
+        return self.direct.memory.nbytes if self.direct else sum(p.length for p in self.parts)
+
 
 def _align_down(n: int, a: int) -> int:
     return n - n % a
@@ -231,7 +236,7 @@ class Window:
     def count(self, extent: Extent) -> None:
         """Count ``extent``'s item bytes as moved: as it retires, or where the caller moved them itself (after
         ``settle``, so that retires keep file order)."""
-        self.progress.advance(extent.direct.memory.nbytes if extent.direct else sum(p.length for p in extent.parts))
+        self.progress.advance(extent.payload)
 
     def finish(self) -> None:
         self.settle()
