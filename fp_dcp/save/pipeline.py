@@ -5,7 +5,9 @@ fails before a byte is written. Items are laid out (``format.layout``), the
 file is preallocated (an early, clean ENOSPC), and the extents are written
 through the engine: large runs straight from tensor memory, the rest copied
 (with its checksum computed in the same pass) into staging buffers, while
-earlier extents are still on their way to disk. The file is fsynced before
+earlier extents are still on their way to disk. Into a memory filesystem,
+where every write is a copy the CPU makes, the host threads write them
+instead (``save.memory_writes``). The file is fsynced before
 the results are returned; on any failure the files are removed.
 
 A ``DeviceCopier`` copies the device parts of staged extents (the CPU one
@@ -21,10 +23,8 @@ their XXH3-128 computed in the same pass as their CRC-32C.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import itertools
-import mmap
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,12 +48,11 @@ from ..io.files import DataFile, open_file, preallocate
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
+from .filling import fill, zero_file
 from .incremental import Incremental, sample_digest
+from .memory_writes import threads_write, write_by_threads
 
 __all__ = ["FileWritten", "Placed", "Item", "resolve", "write_files", "write_laid_out"]
-
-_ZEROS = bytes(64 * 1024)
-_ZERO_PAGES = memoryview(mmap.mmap(-1, 1 << 20))  # page-aligned zeros, as an O_DIRECT write needs
 
 
 @dataclass
@@ -130,13 +129,6 @@ def _pieces(item: Placed, from_tensor: bool, most: int) -> Iterator[Piece]:
     for at in range(0, item.source.nbytes, most):
         n = min(most, item.source.nbytes - at)
         yield Piece(item.offset + at, n, item, at, memory[at : at + n])
-
-
-def _zero(buf: memoryview, start: int, stop: int) -> None:
-    while start < stop:
-        n = min(stop - start, len(_ZEROS))
-        buf[start : start + n] = _ZEROS[:n]
-        start += n
 
 
 def write_files(
@@ -217,7 +209,9 @@ def write_laid_out(
     new extents are zeroed, so that it reads as a new file would.
 
     The files' extents are interleaved, so files on different devices are
-    written at the same time; the bytes between items are zeros. On failure
+    written at the same time; into a memory filesystem the host threads
+    write them, each its own files (``save.memory_writes``). The bytes
+    between items are zeros. On failure
     every file is removed. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
@@ -234,34 +228,23 @@ def write_laid_out(
         stale = {f: 0 for f in files if f.path in reused}  # reused files: where their old bytes start
         if engine.stores:
             _preallocate(files, [size for _, _, size in plans], checksum.threads)
-        streams = []
+        extents = []
         for f, (_, items, _) in zip(files, plans, strict=True):
             from_tensors = in_place(config.direct_writes, f, pool)
             pieces = [piece for it in items for piece in _pieces(it, from_tensors, config.block_size)]
-            streams.append(zip(itertools.repeat(f), plan_extents(pieces, f.align, pool.size, config.direct_min, None)))
-        reads_tensors = False  # whether a transfer reads tensor memory until it completes
-        for f, extent in interleave(streams):
-            controls.check()
-            if f in stale:
-                _zero_file(f, stale[f], extent.file_offset)
-                stale[f] = extent.file_offset + extent.length
-            if extent.direct:
-                it = extent.direct.owner
-                window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)
-                it.crc = checksum.crc32c(extent.direct.memory, it.crc, it.hasher)  # while the write is in flight
-                reads_tensors = True
-            else:
-                buffer = _fill(window.stage(extent.length), extent, copier, checksum)
-                window.push(engine.write(f, buffer, extent.file_offset), extent, buffer)
-        if not reads_tensors:
-            controls.released()
-        window.finish()
+            extents.append(plan_extents(pieces, f.align, pool.size, config.direct_min, None))
+        on_host = all(it.source.device_tensor is None for _, items, _ in plans for it in items)
+        if threads_write(engine, files, on_host, checksum.threads):
+            write_by_threads(files, [list(e) for e in extents], stale, pool, copier, controls, checksum, progress)
+            progress.finish()
+        else:
+            _write_through_ring(files, extents, stale, window, copier, controls, checksum)
         controls.released()
         for f, (_, _, size) in zip(files, plans, strict=True):
             if os.fstat(f.fd).st_size != size:
                 os.ftruncate(f.fd, size)  # O_DIRECT wrote the last block whole, past a size that ends inside it
             if f in stale:
-                _zero_file(f, stale[f], size)
+                zero_file(f, stale[f], size)
         engine.sync(files)
     except BaseException:
         window.abort()
@@ -275,6 +258,36 @@ def write_laid_out(
     return [f.direct for f in files]
 
 
+def _write_through_ring(
+    files: list[DataFile],
+    extents: list[Iterator[Extent]],
+    stale: dict[DataFile, int],
+    window: Window,
+    copier: DeviceCopier,
+    controls: SaveControls,
+    checksum: Checksummer,
+) -> None:
+    """Write the files' extents through the engine, the files in turn, ``window`` keeping several in flight."""
+    engine = window.engine
+    reads_tensors = False  # whether a transfer reads tensor memory until it completes
+    for f, extent in interleave([zip(itertools.repeat(f), e) for f, e in zip(files, extents, strict=True)]):
+        controls.check()
+        if f in stale:
+            zero_file(f, stale[f], extent.file_offset)
+            stale[f] = extent.file_offset + extent.length
+        if extent.direct:
+            it = extent.direct.owner
+            window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)
+            it.crc = checksum.crc32c(extent.direct.memory, it.crc, it.hasher)  # while the write is in flight
+            reads_tensors = True
+        else:
+            buffer = fill(window.stage(extent.length), extent, copier, checksum)
+            window.push(engine.write(f, buffer, extent.file_offset), extent, buffer)
+    if not reads_tensors:
+        controls.released()
+    window.finish()
+
+
 def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
     """Preallocate the files, several at once: on tmpfs an allocation clears the memory it takes."""
     if len(files) <= 1 or threads == 1:
@@ -284,44 +297,3 @@ def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
     with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
         for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
             task.result()
-
-
-def _zero_file(f: DataFile, start: int, stop: int) -> None:
-    """Write zeros over ``f``'s bytes ``start`` to ``stop``: a reused file's old bytes between the extents.
-
-    Written, not punched out: on tmpfs a punched page is freed, and taking
-    its memory back at the next save is what reusing the file avoids. The
-    range lies between extents, so it is aligned as O_DIRECT needs.
-    """
-    while start < stop:
-        n = min(stop - start, len(_ZERO_PAGES))
-        written = os.pwrite(f.fd, _ZERO_PAGES[:n], start)
-        if written <= 0:
-            raise OSError(errno.EIO, f"zeroing bytes {start}-{stop} of a reused file wrote nothing", f.path)
-        start += written
-
-
-def _fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, checksum: Checksummer) -> memoryview:
-    """Copy a staged extent's parts into ``buffer`` at their positions; zero the rest.
-
-    Device parts are copied by the copier while the host fills the rest,
-    then checksummed as their copies complete.
-    """
-    batch = copier.issue(buffer, extent)
-    try:
-        cursor = 0
-        for owner, owner_offset, buf_offset, length in extent.parts:
-            _zero(buffer, cursor, buf_offset)
-            cursor = buf_offset + length
-            if batch is None or owner not in batch:
-                owner.crc = owner.source.copy_into(
-                    buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher, checksum
-                )
-        _zero(buffer, cursor, extent.length)
-    except BaseException:
-        if batch is not None:
-            batch.wait()  # no device copy may outlive the buffer it writes into
-        raise
-    if batch is not None:
-        batch.complete()
-    return buffer
