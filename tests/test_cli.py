@@ -634,15 +634,22 @@ def test_bench_saves_into_tmpfs_and_loads_back_against_fio_there(capsys):
     jobs = fio.Jobs(jobs=bench.IOConfig().threads())
     name = bench.tmpfs_fio_name(jobs.jobs)
     methods, q = r["methods"], r["ratios"]
-    assert set(methods[bench.TMPFS]["loads"]) == {"touched"} and set(methods[name]["loads"]) == {"disk"}
+    assert set(methods[bench.TMPFS]["loads"]) == {"fresh", "touched"} and set(methods[name]["loads"]) == {"disk"}
     assert q["tmpfs_save_vs_fio"] == pytest.approx(methods[bench.TMPFS]["save_gbps"] / methods[name]["save_gbps"])
-    expected = methods[bench.TMPFS]["loads"]["touched"]["gbps"] / methods[name]["loads"]["disk"]["gbps"]
-    assert q["tmpfs_load_touched_vs_fio"] == pytest.approx(expected)
+    fio_load = methods[name]["loads"]["disk"]["gbps"]
+    for kind in ("fresh", "touched"):
+        assert q[f"tmpfs_load_{kind}_vs_fio"] == pytest.approx(methods[bench.TMPFS]["loads"][kind]["gbps"] / fio_load)
+    first_touch = methods[bench.MEMORY]["loads"]["fresh"]["gbps"]
+    slower = methods[bench.TMPFS]["loads"]["fresh"]["gbps"] / min(first_touch, fio_load)
+    assert q["tmpfs_load_fresh_vs_slower_limit"] == pytest.approx(slower)
     assert r["bars"][f"tmpfs save >= 0.9 x {name}"] == (q["tmpfs_save_vs_fio"] >= 0.9)
+    assert r["bars"][f"tmpfs load (fresh targets) >= 0.9 x min({name}, first touch)"] == (slower >= 0.9)
     bench_report.print_report(r, 3)
-    assert f"into tmpfs (memory; each writer after the pages were recycled): save = {q['tmpfs_save_vs_fio']:.2f} x" in (
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        f"into tmpfs (memory; each writer after the pages were recycled): save = {q['tmpfs_save_vs_fio']:.2f} x" in out
     )
+    assert f"into fresh ones = {q['tmpfs_load_fresh_vs_fio']:.2f} x fio, {slower:.2f} x the slower of it and" in out
     assert "tmpfs_save_vs_fio" not in fake_report()["ratios"]  # no tmpfs given: no rows
 
 
@@ -664,7 +671,8 @@ def test_bench_tmpfs_rows_run_in_the_memory_directory_recycled_first_and_bit_exa
     monkeypatch.setattr(bench, "report", lambda methods, *args: methods)
     (m,) = bench.run(size / bench.GB, str(disk), 2, [1], str(memory))
     assert seen == [[], []]  # recycled before each save, into the empty directory it then saves into
-    assert len(m.saved.gbps) == 2 and len(m.loaded["touched"].gbps) == 2  # the check ran after each: bit-exact
+    assert len(m.saved.gbps) == 2  # the check ran after each load: bit-exact
+    assert len(m.loaded["fresh"].gbps) == len(m.loaded["touched"].gbps) == 2
     assert os.listdir(memory) == [] and os.listdir(disk) == []
 
 

@@ -34,8 +34,8 @@ A save into fp-dcp's null sink (``IOConfig(engine="null")``: writes complete
 at once and store nothing, and no checkpoint is published) shows what the
 pipeline itself can do, with the disk out of the way. Where ``--tmpfs`` names
 a memory filesystem (default ``/dev/shm``, if it is one with room for the
-state), fp-dcp also saves there and loads back into touched targets (from
-memory: no cache to drop), against ``fio --numjobs=host_threads`` (buffered,
+state), fp-dcp also saves there and loads back into fresh and into touched
+targets (from memory: no cache to drop), against ``fio --numjobs=host_threads`` (buffered,
 its files not preallocated) writing and reading as many bytes there; every
 writer into tmpfs starts right after as many bytes were written there and
 removed (``workload.recycle``: on a VM, memory unused for a few seconds
@@ -207,7 +207,7 @@ def build_methods(
         methods.append(Method(fio.label, fio_run(fio, "write"), {DISK: fio_run(fio, "read")}, child=True))
     methods.append(Method(DD, dd, child=True))
     if tmpfs is not None:
-        methods += tmpfs_methods(sd, size, tmpfs, fio, load_into("touched", FastPersistReader), check)
+        methods += tmpfs_methods(sd, size, tmpfs, fio, fp_loads, check)
     return methods
 
 
@@ -217,9 +217,15 @@ def tmpfs_fio_jobs() -> int:
 
 
 def tmpfs_methods(
-    sd: dict[str, Any], size: int, tmpfs: str, fio: Fio | None, load: Callable[[str], None], check: Callable[[], None]
+    sd: dict[str, Any],
+    size: int,
+    tmpfs: str,
+    fio: Fio | None,
+    loads: dict[str, Callable[[str], None]],
+    check: Callable[[], None],
 ) -> list[Method]:
-    """fp-dcp saving into ``tmpfs`` and loading into touched targets (``load``), and fio doing the same there."""
+    """fp-dcp saving into ``tmpfs`` and loading into each kind of target (``loads``), and fio doing the same
+    there."""
     writer = FastPersistWriter(tmpfs)
 
     def place(path: str) -> str:
@@ -233,7 +239,7 @@ def tmpfs_methods(
         os.makedirs(path)
         recycle(path, size)
 
-    methods = [Method(TMPFS, save, {"touched": load}, check=check, place=place, prepare=recycled)]
+    methods = [Method(TMPFS, save, loads, check=check, place=place, prepare=recycled)]
     if fio is not None:
         n = tmpfs_fio_jobs()
         jobs = Jobs(fio.depth, fio.block, fio.huge_page, fio.why_plain, jobs=n, direct=False, allocate_first=False)
