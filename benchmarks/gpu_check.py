@@ -15,7 +15,7 @@ that fails is reported in the table without stopping the others:
   the same directories, and the same save into the null engine (writes
   complete at once, nothing stored): the ceiling of one rank's pipeline; and
   the same bytes saved from host memory, which the host threads write
-  themselves (``save.memory_writes``);
+  themselves (``save.thread_writes``);
 - ``disk``: save GB/s from the GPU state to ``--dir``, fp-dcp against
   ``FileSystemWriter(thread_count=1)``, interleaved, median of the repeats;
 - ``disk``: cold load of that checkpoint into CUDA tensors, fp-dcp against
@@ -160,7 +160,7 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
                 if fio:
                     fio_rates.append(size / fio_write(fio, dirs, size) / GB)
             how = writer.last_save.staging if writer.last_save else "?"
-        # the same bytes from host memory, which the host threads write into tmpfs themselves (save.memory_writes)
+        # the same bytes from host memory, which the host threads write into tmpfs themselves (save.thread_writes)
         host_rates = []
         if device != "cpu":
             host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

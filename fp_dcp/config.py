@@ -107,8 +107,8 @@ class IOConfig:
         host_threads: threads that copy and checksum large byte ranges
             together (the calling one among them), that fault load targets
             in ahead of the reads, that read files in memory into the
-            targets, and that write a save's files into a memory filesystem
-            (each thread its own files). None (auto): the CPUs this process
+            targets, and that write a save's files where the kernel copies
+            every byte (tmpfs, the page cache; each thread its own files). None (auto): the CPUs this process
             may run on, divided among the ranks of its node
             (``LOCAL_WORLD_SIZE``), at most 8; 1 does all of it in the calling
             thread.

@@ -2,7 +2,7 @@
 
 Shared by the two ways a save writes its extents: through the engine's ring
 (``save.pipeline``) and, into memory filesystems, by the host threads
-(``save.memory_writes``).
+(``save.thread_writes``).
 """
 
 from __future__ import annotations

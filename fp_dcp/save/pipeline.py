@@ -5,9 +5,9 @@ fails before a byte is written. Items are laid out (``format.layout``), the
 file is preallocated (an early, clean ENOSPC), and the extents are written
 through the engine: large runs straight from tensor memory, the rest copied
 (with its checksum computed in the same pass) into staging buffers, while
-earlier extents are still on their way to disk. Into a memory filesystem,
-where every write is a copy the CPU makes, the host threads write them
-instead (``save.memory_writes``). The file is fsynced before
+earlier extents are still on their way to disk. Where every write is a
+copy the kernel makes (tmpfs, the page cache), the host threads write them
+instead (``save.thread_writes``). The file is fsynced before
 the results are returned; on any failure the files are removed.
 
 A ``DeviceCopier`` copies the device parts of staged extents (the CPU one
@@ -50,7 +50,7 @@ from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
 from .filling import fill, zero_file
 from .incremental import Incremental, sample_digest
-from .memory_writes import threads_write, write_by_threads
+from .thread_writes import threads_write, write_by_threads
 
 __all__ = ["FileWritten", "Placed", "Item", "resolve", "write_files", "write_laid_out"]
 
@@ -209,8 +209,9 @@ def write_laid_out(
     new extents are zeroed, so that it reads as a new file would.
 
     The files' extents are interleaved, so files on different devices are
-    written at the same time; into a memory filesystem the host threads
-    write them, each its own files (``save.memory_writes``). The bytes
+    written at the same time; where the kernel copies every byte (tmpfs, the
+    page cache) the host threads write them, each its own files
+    (``save.thread_writes``). The bytes
     between items are zeros. On failure
     every file is removed. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was

@@ -1,4 +1,5 @@
-"""Saves into a memory filesystem, written by the host threads, each its own files (``save.memory_writes``)."""
+"""Saves whose every byte the kernel copies (tmpfs, the page cache), written by the host threads, each its own
+files (``save.thread_writes``)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def assert_loads(path: Path, state: dict) -> None:
     assert target["objects"] == state["objects"]
 
 
-def test_saves_into_tmpfs_are_written_by_the_threads_each_file_by_one(shm, tmp_path, writes):
+def test_saves_into_tmpfs_are_written_by_the_threads_each_file_by_one(shm, writes):
     state = state_of(1)
     writer = save(state, shm / "ck", lanes_per_dir=4, config=TWO)
     files = writes.by_file()
@@ -99,13 +100,25 @@ def test_saves_into_tmpfs_are_written_by_the_threads_each_file_by_one(shm, tmp_p
     assert writer.last_save.bytes >= large_bytes(state)
 
     writes.calls.clear()
-    save(state, tmp_path / "disk", lanes_per_dir=4, config=TWO)  # a disk: the engine's ring
     save(state, shm / "null", lanes_per_dir=4, config=IOConfig(host_threads=2, engine="null"))  # stores nothing
     save(state, shm / "one-thread", lanes_per_dir=4, config=IOConfig(host_threads=1))
     save(state, shm / "one-file", lanes_per_dir=1, config=TWO)
     assert writes.calls == []
-    assert_loads(tmp_path / "disk", state)
     assert_loads(shm / "one-file", state)
+
+
+def test_saves_through_the_page_cache_are_written_by_the_threads_and_o_direct_ones_by_the_ring(
+    disk_with_page_cache, writes
+):
+    state = state_of(11)
+    save(state, disk_with_page_cache / "direct", lanes_per_dir=4, config=TWO)
+    assert writes.calls == []  # O_DIRECT to a disk: the engine's ring
+    save(state, disk_with_page_cache / "buffered", lanes_per_dir=4, config=IOConfig(host_threads=2, direct_io=False))
+    files = writes.by_file()
+    assert len(files) == 4 and all(len(threads) == 1 for threads in files.values())
+    for name in ("direct", "buffered"):
+        assert verify_checkpoint(disk_with_page_cache / name).ok
+        assert_loads(disk_with_page_cache / name, state)
 
 
 @pytest.mark.parametrize(
