@@ -1,8 +1,8 @@
 """Bytes into staging buffers and files: a staged extent's buffer filled, a buffer written whole, a range zeroed.
 
 Shared by the two ways a save writes its extents: through the engine's ring
-(``save.pipeline``) and, into memory filesystems, by the host threads
-(``save.thread_writes``).
+(``save.pipeline``) and, where the kernel copies every byte, by the host
+threads (``save.thread_writes``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from ..io.files import DataFile
 
 __all__ = ["fill", "write_all", "zero_file"]
 
-_ZEROS = bytes(64 * 1024)
 _ZERO_PAGES = memoryview(mmap.mmap(-1, 1 << 20))  # page-aligned zeros, as an O_DIRECT write needs
 
 
 def _zero(buf: memoryview, start: int, stop: int) -> None:
     while start < stop:
-        n = min(stop - start, len(_ZEROS))
-        buf[start : start + n] = _ZEROS[:n]
+        n = min(stop - start, len(_ZERO_PAGES))
+        buf[start : start + n] = _ZERO_PAGES[:n]
         start += n
 
 

@@ -35,8 +35,9 @@ at once and store nothing, and no checkpoint is published) shows what the
 pipeline itself can do, with the disk out of the way. Where ``--tmpfs`` names
 a memory filesystem (default ``/dev/shm``, if it is one with room for the
 state), fp-dcp also saves there and loads back into fresh and into touched
-targets (from memory: no cache to drop), against ``fio --numjobs=host_threads`` (buffered,
-its files not preallocated) writing and reading as many bytes there; every
+targets (from memory: no cache to drop), against ``fio
+--numjobs=host_threads`` (buffered, its files not preallocated) writing and
+reading as many bytes there; every
 writer into tmpfs starts right after as many bytes were written there and
 removed (``workload.recycle``: on a VM, memory unused for a few seconds
 costs the host a fault at its next touch, and the two would otherwise meet
