@@ -7,6 +7,7 @@ fast tier is ``<tmp>/local-{node}``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import random
 import shutil
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -185,6 +186,17 @@ def seaweedfs(bucket: str = "fp-dcp") -> Iterator[dict[str, str]]:
             server.wait(timeout=10)
         log.close()
         shutil.rmtree(data, ignore_errors=True)
+        _remove_sockets(ports.values())
+
+
+def _remove_sockets(ports: Iterable[int]) -> None:
+    """Remove the unix sockets SeaweedFS leaves in the temp directory, one per service it ran, named by the
+    service's port or its gRPC port (+10000): they outlive the server."""
+    for port in ports:
+        for named in (port, port + 10000):
+            for path in glob.glob(os.path.join(tempfile.gettempdir(), f"seaweedfs-*-{named}.sock")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 class EnvRank:
