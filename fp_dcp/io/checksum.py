@@ -86,7 +86,8 @@ class Checksummer:
             raise ValueError(f"run_all: {len(tasks)} tasks for {self.threads} threads")
         if not tasks:
             return
-        started = [self._workers().submit(task) for task in tasks[1:]]
+        workers = self._workers()
+        started = [workers.submit(task) for task in tasks[1:]]
         try:
             tasks[0]()
         finally:
@@ -106,7 +107,8 @@ class Checksummer:
             return run(0, n, crc)
         step = -(-n // count)
         slices = [(start, min(step, n - start)) for start in range(0, n, step)]
-        tasks = [self._workers().submit(run, start, k, 0) for start, k in slices[1:]]
+        workers = self._workers()
+        tasks = [workers.submit(run, start, k, 0) for start, k in slices[1:]]
         start, k = slices[0]
         try:
             crc = run(start, k, crc)

@@ -16,7 +16,7 @@ from ..io.checksum import Checksummer
 from ..io.extents import Extent
 from ..io.files import DataFile
 
-__all__ = ["fill", "write_all", "zero_file"]
+__all__ = ["fill", "write_all", "zero_file", "zero_stale"]
 
 _ZERO_PAGES = memoryview(mmap.mmap(-1, 1 << 20))  # page-aligned zeros, as an O_DIRECT write needs
 
@@ -76,3 +76,11 @@ def zero_file(f: DataFile, start: int, stop: int) -> None:
         n = min(stop - start, len(_ZERO_PAGES))
         write_all(f, _ZERO_PAGES[:n], start)
         start += n
+
+
+def zero_stale(f: DataFile, stale: dict[DataFile, int], extent: Extent) -> None:
+    """Before ``extent`` is written into ``f``: where ``f`` is a reused file (a key of ``stale``, which maps it to
+    where its old bytes start), zero its old bytes up to the extent and move the mark past it."""
+    if f in stale:
+        zero_file(f, stale[f], extent.file_offset)
+        stale[f] = extent.file_offset + extent.length

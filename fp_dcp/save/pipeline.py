@@ -48,7 +48,7 @@ from ..io.files import DataFile, open_file, preallocate
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
-from .filling import fill, zero_file
+from .filling import fill, zero_file, zero_stale
 from .incremental import Incremental, sample_digest
 from .thread_writes import threads_write, write_by_threads
 
@@ -211,8 +211,7 @@ def write_laid_out(
     The files' extents are interleaved, so files on different devices are
     written at the same time; where the kernel copies every byte (tmpfs, the
     page cache) the host threads write them, each its own files
-    (``save.thread_writes``). The bytes
-    between items are zeros. On failure
+    (``save.thread_writes``). The bytes between items are zeros. On failure
     every file is removed. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
@@ -273,9 +272,7 @@ def _write_through_ring(
     reads_tensors = False  # whether a transfer reads tensor memory until it completes
     for f, extent in interleave([zip(itertools.repeat(f), e) for f, e in zip(files, extents, strict=True)]):
         controls.check()
-        if f in stale:
-            zero_file(f, stale[f], extent.file_offset)
-            stale[f] = extent.file_offset + extent.length
+        zero_stale(f, stale, extent)
         if extent.direct:
             it = extent.direct.owner
             window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)

@@ -32,7 +32,7 @@ from ..io.extents import Direct, Extent
 from ..io.files import DataFile
 from ..io.progress import Progress
 from .controls import SaveControls
-from .filling import fill, write_all, zero_file
+from .filling import fill, write_all, zero_stale
 
 __all__ = ["threads_write", "write_by_threads"]
 
@@ -84,9 +84,7 @@ def write_by_threads(
                     if failed.is_set():
                         return
                     controls.check()
-                    if f in stale:
-                        zero_file(f, stale[f], extent.file_offset)
-                        stale[f] = extent.file_offset + extent.length
+                    zero_stale(f, stale, extent)
                     if extent.direct is not None:
                         _write_run(f, extent.file_offset, extent.direct)
                     else:
