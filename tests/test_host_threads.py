@@ -65,6 +65,29 @@ def test_reads_through_a_small_buffer_equal_one_pass(tmp_path, threads, size):
         summer.close()
 
 
+def test_a_failing_slice_returns_only_after_every_other_slice_ended():
+    """A slice that fails at once, this thread's or a pool thread's, must not leave the others writing into
+    memory the caller goes on to release."""
+    summer = Checksummer(3)
+    try:
+        for failing in (0, MIN_SLICE):
+            ended: list[int] = []
+
+            def run(at: int, n: int, crc: int, failing: int = failing, ended: list[int] = ended) -> int:
+                if at == failing:
+                    raise OSError(errno.EIO, "a slice fails at once")
+                if at == 2 * MIN_SLICE:
+                    time.sleep(0.2)
+                ended.append(at)
+                return crc
+
+            with pytest.raises(OSError, match="fails at once"):
+                summer._sliced(run, 3 * MIN_SLICE, 0)
+            assert sorted(ended) == sorted({0, MIN_SLICE, 2 * MIN_SLICE} - {failing})
+    finally:
+        summer.close()
+
+
 @pytest.fixture
 def read(monkeypatch) -> list[int]:
     """The bytes of each ``Checksummer.read_crc32c`` call: what a load read from memory through the threads."""

@@ -101,7 +101,9 @@ class Checksummer:
         return self._pool
 
     def _sliced(self, run: Callable[[int, int, int], int], n: int, crc: int) -> int:
-        """``run(start, length, crc)`` over ``n`` bytes cut into slices, run on the threads, CRCs joined in order."""
+        """``run(start, length, crc)`` over ``n`` bytes cut into slices, run on the threads, CRCs joined in order.
+        Returns, or raises the first failure, only once every slice has ended: none may still write into memory
+        the caller goes on to release."""
         count = min(self.threads, n // MIN_SLICE)
         if count <= 1:
             return run(0, n, crc)
@@ -112,9 +114,8 @@ class Checksummer:
         start, k = slices[0]
         try:
             crc = run(start, k, crc)
-        except BaseException:
-            wait(tasks)  # none may still write into memory the caller goes on to release
-            raise
+        finally:
+            wait(tasks)
         for (_, k), task in zip(slices[1:], tasks, strict=True):
             crc = _cio.crc32c_combine(crc, task.result(), k)
         return crc
