@@ -25,6 +25,9 @@ that fails is reported in the table without stopping the others:
   and into CPU tensors through one reader, and into CUDA through a reader made
   anew for each load, as the README loads (the bar's figure: its staging
   buffers come page-locked from the reader before, ``fp_dcp.io.buffers``);
+  then, into CUDA through one reader each, what moves that figure: no
+  checksums, 16 staging buffers (reads in flight), and the thread-pool engine
+  (``pread`` threads instead of io_uring's workers);
 - ``async``: how long ``dcp.async_save`` keeps the caller (until
   ``staging_completion``) against ``dcp.save``, both modes, steady state;
 - ``crc``: the CRC-32C kernel on device memory against one host core, and
@@ -259,6 +262,14 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
     }
 
 
+# Readers that each change one thing a load from memory into CUDA may be waiting on (``shm_load``).
+SHM_LOAD_VARIANTS: dict[str, dict[str, Any]] = {
+    "no checksums": {"verify_checksums": False},
+    "16 staging buffers": {"config": IOConfig(num_buffers=16)},
+    "thread-pool engine": {"config": IOConfig(engine="threads")},
+}
+
+
 def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> dict[str, Any]:
     """Loads of a checkpoint held in tmpfs (memory: no disk in the way) into device and into CPU tensors."""
     path = tempfile.mkdtemp(prefix="shm-load-", dir=memory_dir)
@@ -281,12 +292,22 @@ def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> 
             fresh = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
             rates["device_new_reader"].append(size / timed(device, functools.partial(load_anew, fresh)) / GB)
             exact = exact and all(torch.equal(fresh[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        for name, kwargs in SHM_LOAD_VARIANTS.items():
+            for t in target.values():
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+            with FastPersistReader(path, **kwargs) as reader:
+                rates[name] = [
+                    size / timed(device, lambda r=reader: dcp.load(target, storage_reader=r)) / GB for _ in range(2)
+                ]
+            exact = exact and all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return {
         "device_gbps": max(rates["device"]),
         "cpu_gbps": max(rates["cpu"]),
         "device_new_reader_gbps": max(rates["device_new_reader"]),
+        "variants_gbps": {name: max(rates[name]) for name in SHM_LOAD_VARIANTS},
         "bit_exact": exact,
         "runs": rates,
     }
@@ -473,6 +494,8 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
         s = r["shm_load"]
         rows.append(("load from tmpfs into CUDA / into CPU", f"{s['device_gbps']:.2f} / {s['cpu_gbps']:.2f} GB/s"))
         rows.append(("load from tmpfs into CUDA, a reader made anew each", f"{s['device_new_reader_gbps']:.2f} GB/s"))
+        for name, gbps in s.get("variants_gbps", {}).items():
+            rows.append((f"load from tmpfs into CUDA, {name}", f"{gbps:.2f} GB/s"))
         rows.append(("load from tmpfs bit-exact", str(s["bit_exact"])))
     for mode in ("snapshot", "streaming"):
         if f"async_{mode}" in r:
@@ -586,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         section("staging", 30, lambda: staging(held["state"], size, args.memory_dir, device))
         section("shm8", 40, lambda: shm8(int(args.shm_gib * GiB), args.memory_dir, device))
         section("disk", 60, lambda: save_and_load(held["state"], size, args.dir, args.repeats, device))
-        section("shm_load", 20, lambda: shm_load(held["state"], size, args.memory_dir, device))
+        section("shm_load", 35, lambda: shm_load(held["state"], size, args.memory_dir, device))
         for mode in ("snapshot", "streaming"):
             section(f"async_{mode}", 30, lambda m=mode: async_vs_sync(held["state"], args.dir, m, args.repeats, device))
         held.clear()

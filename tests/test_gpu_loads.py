@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, failure, same_bytes, save
-from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc
+from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc, ModelCrc
 from dist_util import run_ranks
 
 import fp_dcp.io.buffers
@@ -22,7 +22,9 @@ import fp_dcp.load.reader
 from fp_dcp import IOConfig, _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.gpu import cudart
+from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
+from fp_dcp.io.checksum import MIN_SLICE, Checksummer
 
 pytestmark = pytest.mark.gpu
 
@@ -47,9 +49,9 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     copies = []
     original = DeviceLoads.copy
 
-    def counting(self, region, target, checksum=None):
+    def counting(self, region, target, checksum, checksummer):
         copies.append(len(region))
-        return original(self, region, target, checksum)
+        return original(self, region, target, checksum, checksummer)
 
     monkeypatch.setattr(DeviceLoads, "copy", counting)
     target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
@@ -97,6 +99,41 @@ def test_gpu_load_checks_checksums_on_the_device_path(tmp_path, gpu):
     target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
     with pytest.raises(BaseException) as info:
         dcp.load(target, storage_reader=gpu.reader(tmp_path / "ck", config=SMALL))
+    assert isinstance(failure(info), CorruptCheckpointError) and "checksum mismatch" in str(failure(info))
+
+
+def flip_middle_byte(directory) -> None:
+    """Flip a bit in the middle of the largest data file of the checkpoint in ``directory``."""
+    data = max((p for p in directory.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(raw)
+
+
+def test_gpu_load_without_the_crc_kernel_checksums_over_the_host_threads(tmp_path, gpu, monkeypatch):
+    """Where the device cannot checksum (no cupy), the host does, while the bytes cross: through the load's
+    threads, which split a staging buffer's bytes between them, not on one core."""
+    for kernel in (DeviceCrc, ModelCrc):
+        monkeypatch.setattr(kernel, "ready", lambda self, side: False)
+    summed: list[int] = []
+    original = Checksummer.crc32c
+
+    def spy(self, data, crc=0, hasher=None):
+        summed.append(data.nbytes)
+        return original(self, data, crc, hasher)
+
+    monkeypatch.setattr(Checksummer, "crc32c", spy)
+    state = {"big": torch.randn(3 * MIN_SLICE // 4), "small": torch.arange(100)}
+    save(state, tmp_path / "ck")
+    config = IOConfig(host_threads=2)
+    target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+    dcp.load(target, storage_reader=gpu.reader(tmp_path / "ck", config=config))
+    assert all(same_bytes(target[k].cpu(), v) for k, v in state.items())
+    assert sum(summed) == sum(v.nbytes for v in state.values()) and max(summed) >= 2 * MIN_SLICE
+    flip_middle_byte(tmp_path / "ck")
+    target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
+    with pytest.raises(BaseException) as info:
+        dcp.load(target, storage_reader=gpu.reader(tmp_path / "ck", config=config))
     assert isinstance(failure(info), CorruptCheckpointError) and "checksum mismatch" in str(failure(info))
 
 

@@ -363,7 +363,7 @@ def read_items(
                 continue
             assert uploads is not None
             checked = owner if owner.verify else None  # on the device where it can, else on the host
-            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length], checked)
+            uploads.copy(region, device[part.owner_offset : part.owner_offset + part.length], checked, checksum)
             on_device.append(part)
         if on_device:
             assert uploads is not None
