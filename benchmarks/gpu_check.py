@@ -6,6 +6,10 @@ Sections, in this order; each is skipped once the time budget is spent, and one
 that fails is reported in the table without stopping the others:
 
 - ``peaks``: pinned device-to-host and host-to-device copy peaks (1 GiB, side stream);
+- ``h2d_streams``: 1 GiB host-to-device in 32 MiB copies (a load's staging
+  buffers), waiting for each as a load does per buffer, and left in flight
+  on 1, 2 and 4 streams: whether copies into CUDA tensors gain from more
+  than one stream (issue 33, item 5);
 - ``staging``: the snapshot copy (GPU state to the page-locked arena), timed
   through ``async_save`` until ``staging_completion`` and alone
   (``Snapshot.take``), and streaming saves into a tmpfs directory, against
@@ -93,6 +97,34 @@ BARS = [
     ("cold load into CUDA / into CPU", "cuda_over_cpu_load", ">=", 0.95),
     ("load from tmpfs into CUDA, GB/s", "shm_load_gbps", ">=", 10.0),
 ]
+
+
+def h2d_streams(nbytes: int = GiB, chunk: int = 32 << 20, repeats: int = 3) -> dict[str, float]:
+    """Best host-to-device GB/s of ``nbytes`` from page-locked memory in ``chunk``-sized copies: ``wait each``
+    (one side stream, each copy waited for before the next is queued, as a load settles each staging buffer)
+    and ``N streams`` (the copies dealt round-robin over N side streams, waited for at the end)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    starts = range(0, nbytes, chunk)
+
+    def run(streams: list[torch.cuda.Stream], wait_each: bool) -> float:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for i, at in enumerate(starts):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                device[at : at + chunk].copy_(host[at : at + chunk], non_blocking=True)
+                if wait_each:
+                    streams[i % len(streams)].synchronize()
+        torch.cuda.synchronize()
+        return nbytes / (time.perf_counter() - began) / GB
+
+    variants = {"wait each": (1, True), "1 stream": (1, False), "2 streams": (2, False), "4 streams": (4, False)}
+    pools = {name: [torch.cuda.Stream() for _ in range(n)] for name, (n, _) in variants.items()}
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):  # alternating, so that all meet the same bus
+        for name, (_, wait_each) in variants.items():
+            rates[name].append(run(pools[name], wait_each))
+    return {name: max(r) for name, r in rates.items()}
 
 
 def synchronize(device: str) -> None:
@@ -458,6 +490,9 @@ def table(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             ("pinned copy peaks D2H / H2D", f"{r['peaks']['d2h_gbps']:.1f} / {r['peaks']['h2d_gbps']:.1f} GB/s")
         )
+    if "h2d_streams" in r:
+        rates = " / ".join(f"{gbps:.1f}" for gbps in r["h2d_streams"].values())
+        rows.append((f"H2D in 32 MiB copies: {' / '.join(r['h2d_streams'])}", f"{rates} GB/s"))
     if "staging" in r:
         s = r["staging"]
         rows.append(("staging: async_save until staging_completion", f"{s['snapshot_gbps']:.1f} GB/s"))
@@ -604,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if device == "cuda":
             section("peaks", 10, copy_peaks)
+            section("h2d_streams", 10, h2d_streams)
         held = {"state": llm_state_dict(int(args.size_gib * GiB), device=device)}  # dropped before the rest
         size = results["state_bytes"] = tensor_bytes(held["state"])
         section("staging", 30, lambda: staging(held["state"], size, args.memory_dir, device))
