@@ -175,9 +175,11 @@ def print_report(r: dict[str, Any], repeats: int) -> None:
         f"{q['save_vs_filesystemwriter_best']:.2f} x its best thread count, {q['save_vs_torch_save']:.2f} x torch.save"
     )
     print(
-        f"fp-dcp CPU-s/GB = {q['cpu_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1; "
-        f"load = {q['load_fresh_vs_filesystemreader']:.2f} x FileSystemReader (fresh targets), "
-        f"{q['load_touched_vs_filesystemreader']:.2f} x (touched); "
+        f"fp-dcp load = {q['load_fresh_vs_filesystemreader']:.2f} x FileSystemReader into fresh targets, "
+        f"{q['load_touched_vs_filesystemreader']:.2f} x into touched ones"
+    )
+    print(
+        f"fp-dcp save CPU-s/GB = {q['cpu_vs_filesystemwriter_t1']:.2f} x FileSystemWriter t=1's; "
         f"peak RSS during save = state dict + {q['peak_rss_growth_mib']:.0f} MiB"
     )
     print(
