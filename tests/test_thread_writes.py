@@ -9,6 +9,7 @@ import glob
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,15 +159,20 @@ def test_state_staged_through_the_device_copier_takes_the_ring(shm, gpu, writes)
 
 def test_a_failed_write_stops_every_thread_and_leaves_no_checkpoint(shm, writes):
     def fail(number: int) -> None:
-        if number == 2:
+        if number == 2:  # once the other thread is inside a write of its own: it must stop at the next extent
+            deadline = time.monotonic() + 10
+            while len(writes.calls) < 3 and time.monotonic() < deadline:
+                time.sleep(0.001)
             raise OSError(errno.ENOSPC, "No space left on device")
+        if number == 3:
+            time.sleep(0.2)  # while the failure is raised and flagged
 
     writes.then = fail
     with pytest.raises(CheckpointException) as info:
         save(state_of(4, large=12), shm / "ck", lanes_per_dir=4, config=TWO)
     err = failure(info)
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
-    assert len(writes.calls) <= 3  # the other thread stopped at its next extent
+    assert len(writes.calls) == 3  # the other thread stopped at its next extent, of the 6 or so it had
     assert not glob.glob(str(shm / "ck" / "*.distcp")) and not (shm / "ck" / ".metadata").exists()
 
 
