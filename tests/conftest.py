@@ -63,6 +63,16 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
+def flip_byte(path: str, at: int | None = None) -> None:
+    """Flip a bit of the byte of the file ``path`` at ``at`` (default: its middle one)."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size // 2 if at is None else at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
 def failure(exc_info: pytest.ExceptionInfo) -> BaseException:
     """The exception a rank raised inside a CheckpointException."""
     err = exc_info.value

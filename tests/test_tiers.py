@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
+from conftest import flip_byte
 from dist_util import run_ranks
 from tiers_util import (
     EnvRank,
     committed,
     data_files,
     drop_node,
-    flip_byte,
     incremental_restore,
     incremental_run,
     local_root,

@@ -83,15 +83,6 @@ def same_state(got: dict[str, Any], step: int, rank: int) -> bool:
     return all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
 
 
-def flip_byte(path: str, at: int | None = None) -> None:
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(size // 2 if at is None else at)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x40]))
-
-
 def data_files(directory: str, ranks: tuple[int, ...]) -> list[str]:
     return sorted(
         os.path.join(directory, n) for n in os.listdir(directory) if any(n.startswith(f"__{r}_") for r in ranks)
