@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: demo test build system-deps clean lint asan
+.PHONY: demo test build wheel system-deps clean lint asan
 
 demo: build
 	$(PY) -m fp_dcp bench
@@ -49,8 +49,27 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 build: system-deps $(STAMP)
 	FP_DCP_WERROR=1 $(PY) setup.py -q build_ext --inplace
 
+# Wheels users install without a compiler or the -dev packages: one per Python found (override with
+# WHEEL_PYTHONS="python3.10 python3.12 ..."), each built from the sdist so that nothing of the in-place build
+# slips in, then repaired by auditwheel: liburing, ISA-L and libxxhash copied into fp_dcp.libs/ and the tag
+# raised to manylinux_2_28, the oldest glibc its symbols allow. Each wheel's native module is then loaded by its
+# own Python with the system's copies of the three libraries hidden (tests/wheel_check.py; as root).
+WHEEL_PYTHONS ?= $(shell for v in 3.10 3.11 3.12 3.13 3.14; do command -v python$$v >/dev/null && python$$v -c '' 2>/dev/null && echo python$$v; done; true)
+WHEEL_PLATFORM := manylinux_2_28_$(shell uname -m)
+
+wheel: system-deps $(STAMP)
+	rm -rf build/wheel dist && mkdir -p build/wheel dist
+	$(PY) setup.py -q sdist -d dist
+	for py in $(WHEEL_PYTHONS); do $$py -m pip wheel --no-deps -q -w build/wheel dist/fp_dcp-*.tar.gz || exit 1; done
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair --plat $(WHEEL_PLATFORM) -w dist build/wheel/*.whl
+	for py in $(WHEEL_PYTHONS); do \
+	  tag=$$($$py -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
+	  $(PY) tests/wheel_check.py $$py dist/fp_dcp-*-$$tag-$$tag-$(WHEEL_PLATFORM).whl || exit 1; \
+	done
+	ls -l dist
+
 clean:
-	rm -rf $(VENV) .venv-torch-* build *.egg-info fp_dcp/*.so
+	rm -rf $(VENV) .venv-torch-* build dist *.egg-info fp_dcp/_native/*.so
 
 # ---- code health: lint runs with every `make test`; asan before each release ----
 
@@ -62,7 +81,7 @@ lint: build
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-# The C engine's tests against an AddressSanitizer build of fp_dcp._cio, made in a scratch copy of the
+# The C engine's tests against an AddressSanitizer build of fp_dcp._native._cio, made in a scratch copy of the
 # tree (the normal build stays as it is). The interpreter is not instrumented, so libasan is preloaded;
 # leak checking is off because CPython deliberately never frees some memory at exit. (valgrind is installed
 # too, but without CPython's suppressions file it reports hundreds of false errors inside the interpreter.)
@@ -73,10 +92,10 @@ ENGINE_TESTS := tests/test_cio.py tests/test_engine.py
 asan: build
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
 	cp -r setup.py pyproject.toml README.md cio fp_dcp tests $(ASAN_DIR)/
-	rm -rf $(ASAN_DIR)/fp_dcp/*.so $(ASAN_DIR)/fp_dcp/__pycache__ $(ASAN_DIR)/tests/__pycache__
+	rm -rf $(ASAN_DIR)/fp_dcp/_native/*.so $(ASAN_DIR)/fp_dcp/__pycache__ $(ASAN_DIR)/tests/__pycache__
 	cd $(ASAN_DIR) && FP_DCP_WERROR=1 CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" LDFLAGS="-fsanitize=address" \
 	  $(CURDIR)/$(PY) setup.py -q build_ext --inplace
 	cd $(ASAN_DIR) && LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-	  $(CURDIR)/$(PY) -c "import fp_dcp._cio as c; assert c.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), c.__file__"
+	  $(CURDIR)/$(PY) -c "import fp_dcp._native._cio as c; assert c.__file__.startswith('$(CURDIR)/$(ASAN_DIR)/'), c.__file__"
 	cd $(ASAN_DIR) && LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 FP_DCP_WERROR=1 \
 	  $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(ENGINE_TESTS)

@@ -43,9 +43,9 @@ echo "== build"
 "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 "$PYTHON" - <<'PY'
 import fp_dcp, torch
-from fp_dcp import _cio
+from fp_dcp._native import _cio
 info = fp_dcp.engine_info(".")
-print(f"fp_dcp._cio built {'with' if _cio.HAVE_IO_URING else 'WITHOUT'} liburing, "
+print(f"fp_dcp._native._cio built {'with' if _cio.HAVE_IO_URING else 'WITHOUT'} liburing, "
       f"{'with' if hasattr(_cio, 'Hash128') else 'WITHOUT'} libxxhash, CRC-32C {_cio.CRC32C_ENGINE}, "
       f"copies {_cio.COPY_CRC32C_ENGINE}; engine here: {info['engine']}"
       + (f" (fallback: {info['fallback_reason']})" if info["fallback_reason"] else "")

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _cio
+from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.gpu.crc import Checksums, DeviceCrc
 from fp_dcp.gpu.memory import SideStream

@@ -20,7 +20,8 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.tools.workload import llm_state_dict, tensor_bytes
 
 

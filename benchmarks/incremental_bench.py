@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _cio
+from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp._native import _cio
 from fp_dcp.tensors import byte_view
 
 MiB = 1 << 20

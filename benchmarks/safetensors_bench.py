@@ -83,7 +83,8 @@ from llama import layers_for, llama_shapes, sharded_model
 from ranks import spawn
 from safetensors_peers import Targets, loaders
 
-from fp_dcp import FastPersistReader, _cio
+from fp_dcp import FastPersistReader
+from fp_dcp._native import _cio
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
 from fp_dcp.tools.fio import Fio, reference

@@ -44,7 +44,8 @@ from unittest import mock
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _cio
+from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp._native import _cio
 from fp_dcp.config import IOConfig
 from fp_dcp.tools.fio import Jobs, installed
 from fp_dcp.tools.workload import cpu_seconds, fresh_allocations, llm_state_dict, targets, tensor_bytes

@@ -1,5 +1,5 @@
 /*
- * fp_dcp._cio: the native half of fp-dcp.
+ * fp_dcp._native._cio: the native half of fp-dcp.
  *
  * - Ring: a thin wrapper over one liburing ring. Requests are queued with
  *   write()/read()/fsync(), submitted and reaped with wait(). The ring holds a
@@ -358,7 +358,7 @@ static HashObject *hash_claim(PyObject *obj)
 {
     (void)obj;
     PyErr_SetString(PyExc_NotImplementedError,
-                    "fp_dcp._cio was built without libxxhash: no content hashing");
+                    "fp_dcp._native._cio was built without libxxhash: no content hashing");
     return NULL;
 }
 static int hash_feed(HashObject *h, const void *p, size_t n)
@@ -758,7 +758,7 @@ static PyMethodDef hash_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject HashType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._cio.Hash128",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._native._cio.Hash128",
     .tp_doc = "Hash128()\n\nA running XXH3-128 (seed 0). Feed it with update() or as the hasher of "
               "crc32c / copy_crc32c; one thread at a time.",
     .tp_basicsize = sizeof(HashObject),
@@ -1727,7 +1727,7 @@ static PyGetSetDef ring_getset[] = {
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject RingType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._cio.Ring",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "fp_dcp._native._cio.Ring",
     .tp_basicsize = sizeof(RingObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Ring(depth): one io_uring instance with at most depth requests in flight.",
@@ -1761,8 +1761,40 @@ static PyMethodDef module_methods[] = {
     {"address", py_address, METH_O, address_doc},
     {NULL, NULL, 0, NULL}};
 
+/* The optional libraries this build links, named as fp_dcp._native.libraries names them. */
+static const char *const linked_libraries[] = {
+#ifdef FP_DCP_HAVE_LIBURING
+    "liburing",
+#endif
+#ifdef FP_DCP_HAVE_ISAL
+    "isa-l",
+#endif
+#ifdef FP_DCP_HAVE_XXHASH
+    "libxxhash",
+#endif
+};
+
+static int add_linked_libraries(PyObject *m)
+{
+    size_t n = sizeof(linked_libraries) / sizeof(linked_libraries[0]);
+    PyObject *names = PyTuple_New((Py_ssize_t)n);
+    if (!names)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        PyObject *name = PyUnicode_FromString(linked_libraries[i]);
+        if (!name) {
+            Py_DECREF(names);
+            return -1;
+        }
+        PyTuple_SET_ITEM(names, (Py_ssize_t)i, name);
+    }
+    int rc = PyModule_AddObjectRef(m, "LINKED_LIBRARIES", names);
+    Py_DECREF(names);
+    return rc;
+}
+
 static struct PyModuleDef cio_module = {
-    PyModuleDef_HEAD_INIT, "fp_dcp._cio",
+    PyModuleDef_HEAD_INIT, "fp_dcp._native._cio",
     "Native I/O and checksum primitives of fp-dcp (see cio/cio.c).", -1, module_methods,
     NULL, NULL, NULL, NULL};
 
@@ -1789,6 +1821,8 @@ PyMODINIT_FUNC PyInit__cio(void)
     if (PyType_Ready(&HashType) < 0 || PyModule_AddObjectRef(m, "Hash128", (PyObject *)&HashType) < 0)
         goto fail;
 #endif
+    if (add_linked_libraries(m) < 0)
+        goto fail;
     return m;
 fail:
     Py_DECREF(m);

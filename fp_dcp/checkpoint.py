@@ -55,7 +55,7 @@ from typing import Any, BinaryIO, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from . import _cio
+from ._native import _cio
 from .compat import is_item_location, item_fields
 from .errors import (
     CorruptCheckpointError,

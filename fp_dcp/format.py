@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
-from . import _cio
+from ._native import _cio
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .units import PAGE, align_up
 
@@ -91,7 +91,7 @@ SAMPLE_WINDOW = 4096
 SAMPLE_MIN = SAMPLE_WINDOWS * SAMPLE_WINDOW  # smaller items have no sample: hashing all of them is as cheap
 
 
-HASHING = hasattr(_cio, "Hash128")  # XXH3-128: fp_dcp._cio built with libxxhash
+HASHING = hasattr(_cio, "Hash128")  # XXH3-128: fp_dcp._native._cio built with libxxhash
 
 
 def sample_offsets(length: int) -> list[int]:

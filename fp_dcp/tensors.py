@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _cio
+from ._native import _cio
 from .errors import UnsupportedTensorError
 
 if TYPE_CHECKING:

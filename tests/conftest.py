@@ -21,11 +21,12 @@ import fp_dcp.io.buffers
 import fp_dcp.io.files
 import fp_dcp.load.reader
 import fp_dcp.save.resources
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, compat
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, compat
+from fp_dcp._native import _cio
 from fp_dcp.gpu import cudart
 
 needs_xxhash = pytest.mark.skipif(
-    not hasattr(_cio, "Hash128"), reason="fp_dcp._cio built without libxxhash (make system-deps installs it)"
+    not hasattr(_cio, "Hash128"), reason="fp_dcp._native._cio built without libxxhash (make system-deps installs it)"
 )
 """For tests of incremental saves, which need the content hash (like io_uring, an optional part of the build)."""
 

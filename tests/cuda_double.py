@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from crc_model import crc32c_rows
 
-from fp_dcp import _cio
+from fp_dcp._native import _cio
 from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
 from fp_dcp.gpu.memory import SideStream

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 from conftest import needs_xxhash
 
-from fp_dcp import _cio
+from fp_dcp._native import _cio
 
 needs_uring = pytest.mark.skipif(not _cio.HAVE_IO_URING, reason="built without liburing")
 

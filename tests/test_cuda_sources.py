@@ -164,7 +164,7 @@ int main() {
 @needs_nvcc
 def test_crc_kernel_routines_on_the_cpu_give_the_host_crc(tmp_path):
     """The kernel's own arithmetic, every thread of every block emulated on the CPU, against ``_cio.crc32c``."""
-    from fp_dcp import _cio
+    from fp_dcp._native import _cio
     from fp_dcp.gpu.crc import CHUNK, PIECE, powers
 
     harness = host_program(tmp_path, CRC_HARNESS)

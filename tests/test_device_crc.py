@@ -28,7 +28,8 @@ from crc_model import CHUNK, PIECE, crc32c_rows, multiply
 from cuda_double import ModelCrc
 
 import fp_dcp.gpu.kernel
-from fp_dcp import CorruptCheckpointError, FastPersistReader, IOConfig, _cio
+from fp_dcp import CorruptCheckpointError, FastPersistReader, IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.gpu.crc import Checksums, DeviceCrc, powers
 from fp_dcp.gpu.kernel import Kernel

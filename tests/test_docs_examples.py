@@ -71,7 +71,8 @@ from dist_util import run_ranks
 from test_bad_input import rewrite_footer
 from tiers_util import seaweedfs
 
-from fp_dcp import FastPersistSavePlanner, FastPersistWriter, _cio, compat
+from fp_dcp import FastPersistSavePlanner, FastPersistWriter, compat
+from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.errors import CheckpointError
 from fp_dcp.tools import cli

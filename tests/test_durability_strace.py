@@ -31,7 +31,8 @@ import pytest
 import torch
 from conftest import save
 
-from fp_dcp import IOConfig, _cio
+from fp_dcp import IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 
 pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed (make test installs it)")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import gc
 import itertools
+import json
 import logging
 import mmap
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import textwrap
 import threading
@@ -24,7 +24,9 @@ import torch
 from conftest import empty_like, load, save
 
 import fp_dcp
-from fp_dcp import IOConfig, _cio, log
+from fp_dcp import IOConfig, log
+from fp_dcp._native import _cio
+from fp_dcp._native.libraries import LIBRARIES
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io import buffers, engine, files
 from fp_dcp.io.buffers import BufferPool
@@ -399,49 +401,65 @@ def test_engine_info_reports_choice(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
-def test_built_without_liburing_uses_threads(tmp_path):
-    """Build fp_dcp._cio without io_uring, as on a machine without liburing headers, and save with it."""
-    pkg = tmp_path / "fp_dcp"
-    shutil.copytree(ROOT / "fp_dcp", pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    ext = pkg / ("_cio" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cc = (sysconfig.get_config_var("CC") or "cc").split()
-    subprocess.run(
-        [
-            *cc,
-            "-O2",
-            "-shared",
-            "-fPIC",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            f"-I{sysconfig.get_paths()['include']}",
-            str(ROOT / "cio" / "cio.c"),
-            "-o",
-            str(ext),
-        ],
-        check=True,
+def test_a_build_without_the_optional_libraries_says_what_it_lacks_and_runs(tmp_path):
+    """Build fp_dcp._native._cio without liburing, ISA-L and libxxhash, as on a machine without their headers: the
+    build ends by saying so, with each one's cost; engine_info lists them; the first engine of a process warns
+    once of each; saves and loads run on the threads engine with the SSE4.2 CRC."""
+    tree = tmp_path / "tree"
+    for part in ("cio", "cuda", "fp_dcp"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for part in ("setup.py", "pyproject.toml", "README.md", "fp_dcp_default_storage.pth"):
+        shutil.copyfile(ROOT / part, tree / part)
+    without = {library.opt_out: "1" for library in LIBRARIES}
+    build = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=tree,
+        env={**os.environ, **without, "FP_DCP_WERROR": "1"},
+        capture_output=True,
+        text=True,
     )
+    assert build.returncode == 0, build.stderr
+    assert "fp-dcp native build: liburing NO, isa-l NO, libxxhash NO" in build.stderr
+    for library in LIBRARIES:
+        assert f"warning: {library.absence()}" in build.stderr
     script = textwrap.dedent(
         f"""
-        import warnings, torch, torch.distributed.checkpoint as dcp
+        import json, logging, warnings, torch, torch.distributed.checkpoint as dcp
         warnings.filterwarnings("ignore")
         import fp_dcp
-        from fp_dcp import _cio, FastPersistWriter, FastPersistReader
-        assert not _cio.HAVE_IO_URING and not hasattr(_cio, "Ring")
-        w = FastPersistWriter({str(tmp_path / "ckpt")!r})
+        from fp_dcp import FastPersistWriter, FastPersistReader
+        from fp_dcp._native import _cio
+        assert not _cio.HAVE_IO_URING and not hasattr(_cio, "Ring") and not hasattr(_cio, "Hash128")
+        said = []
+        class Said(logging.Handler):
+            def emit(self, record):
+                said.append(record.getMessage())
+        logging.getLogger("fp_dcp").addHandler(Said())
         state = {{"w": torch.randn(100, 100)}}
-        dcp.save(state, storage_writer=w)
-        target = {{"w": torch.zeros(100, 100)}}
-        dcp.load(target, storage_reader=FastPersistReader({str(tmp_path / "ckpt")!r}))
-        assert torch.equal(target["w"], state["w"])
-        print(w.last_save.engine)
+        for step in range(2):
+            w = FastPersistWriter({str(tmp_path / "ckpt")!r})
+            dcp.save(state, storage_writer=w)
+            target = {{"w": torch.zeros(100, 100)}}
+            dcp.load(target, storage_reader=FastPersistReader({str(tmp_path / "ckpt")!r}))
+            assert torch.equal(target["w"], state["w"])
+        print(json.dumps({{"saved_with": w.last_save.engine, "said": said, **fp_dcp.engine_info()}}))
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    assert out.stdout.strip() == "threads (fp_dcp._cio was built without liburing)"
+    report = json.loads(out.stdout)
+    assert report["saved_with"] == "threads (fp-dcp was built without liburing)" and report["engine"] == "threads"
+    assert report["crc32c_engine"] == "sse4.2" and report["crc32c_hardware"]
+    assert report["libraries"] == {library.name: False for library in LIBRARIES}
+    assert report["missing"] == {library.name: library.absence() for library in LIBRARIES}
+    for library in LIBRARIES:
+        assert report["said"].count(library.absence()) == 1, report["said"]
 
 
 def test_the_null_engine_stores_nothing_and_publishes_nothing(tmp_path):

@@ -11,7 +11,8 @@ from conftest import SMALL, save
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from fp_dcp import FastPersistReader, _cio
+from fp_dcp import FastPersistReader
+from fp_dcp._native import _cio
 from fp_dcp.format import layout
 from fp_dcp.io.extents import Piece, plan_extents
 from fp_dcp.load.pipeline import byte_runs

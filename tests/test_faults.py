@@ -27,7 +27,8 @@ from test_misuse import long_path
 from test_roundtrip import ENGINES
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, _cio, engine_info, verify_checkpoint
+from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, engine_info, verify_checkpoint
+from fp_dcp._native import _cio
 from fp_dcp.io import engine
 from fp_dcp.tools.workload import evict
 

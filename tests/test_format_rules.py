@@ -31,7 +31,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from fp_dcp import FastPersistReader, FastPersistWriter, _cio, errors, verify_checkpoint
+from fp_dcp import FastPersistReader, FastPersistWriter, errors, verify_checkpoint
+from fp_dcp._native import _cio
 from fp_dcp.format import HASHING
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -846,7 +847,7 @@ def test_every_check_of_the_table_is_broken_by_a_case_raising_each_error_it_name
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_a_broken_rule_is_refused_as_the_table_says(case, templates, tmp_path):
     if case.check == "hashes" and not HASHING:
-        pytest.skip("fp_dcp._cio was built without libxxhash: no hashes to check")
+        pytest.skip("fp_dcp._native._cio was built without libxxhash: no hashes to check")
     shutil.copytree(templates, tmp_path, dirs_exist_ok=True)
     path = tmp_path / case.template
     kwargs = case.arrange(path)

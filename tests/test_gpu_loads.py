@@ -19,7 +19,8 @@ from dist_util import run_ranks
 
 import fp_dcp.io.buffers
 import fp_dcp.load.reader
-from fp_dcp import IOConfig, _cio
+from fp_dcp import IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.gpu import cudart
 from fp_dcp.gpu.crc import DeviceCrc

@@ -16,7 +16,8 @@ import torch
 from conftest import empty_like, failure, load, needs_xxhash, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import CorruptCheckpointError, IOConfig, _cio
+from fp_dcp import CorruptCheckpointError, IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.io import checksum, prefault
 from fp_dcp.io.checksum import BOUNCE, MIN_SLICE, Checksummer
 from fp_dcp.io.device import filesystem_of

@@ -24,7 +24,8 @@ from cuda_double import ALREADY_REGISTERED, INVALID_VALUE, MEMORY_ALLOCATION, NO
 import fp_dcp.io.buffers
 import fp_dcp.log
 import fp_dcp.save.resources
-from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, _cio, compat
+from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, compat
+from fp_dcp._native import _cio
 from fp_dcp.gpu.memory import page_lock
 from fp_dcp.io.buffers import BufferPool
 

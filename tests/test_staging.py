@@ -325,7 +325,7 @@ def test_back_pressure_never_reuses_a_buffer_in_flight(ckpt, monkeypatch):
     lock = threading.Lock()
 
     def write_spy(self, file, data, offset):
-        from fp_dcp import _cio
+        from fp_dcp._native import _cio
 
         start = _cio.address(data)
         with lock:

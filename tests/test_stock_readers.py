@@ -14,7 +14,7 @@ from conftest import failure, load, save
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fp_dcp import _cio
+from fp_dcp._native import _cio
 from fp_dcp.compat import item_fields
 from fp_dcp.format import METADATA_NAME
 

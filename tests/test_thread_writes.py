@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import SMALL, empty_like, failure, load, needs_xxhash, same_bytes, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistWriter, IOConfig, SaveCancelledError, _cio, verify_checkpoint
+from fp_dcp import FastPersistWriter, IOConfig, SaveCancelledError, verify_checkpoint
+from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io.device import filesystem_of
 

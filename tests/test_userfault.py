@@ -15,7 +15,8 @@ import torch
 from conftest import failure, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fp_dcp import FastPersistReader, IOConfig, _cio
+from fp_dcp import FastPersistReader, IOConfig
+from fp_dcp._native import _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.io import userfault
 from fp_dcp.io.checksum import MIN_SLICE, Checksummer

@@ -273,7 +273,7 @@ def test_a_node_marker_that_is_a_fifo_marks_no_copy_and_is_not_waited_on(three_f
     assert info.status == "corrupt" and missing.name in info.problem
 
 
-@pytest.mark.skipif(not HASHING, reason="fp_dcp._cio was built without libxxhash")
+@pytest.mark.skipif(not HASHING, reason="fp_dcp._native._cio was built without libxxhash")
 def test_an_incremental_saves_hashes_are_checked_where_the_crc_agrees(ckpt):
     with FastPersistWriter(ckpt, incremental=True) as writer:
         dcp.save(state(), storage_writer=writer, no_dist=True)

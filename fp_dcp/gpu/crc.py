@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .. import _cio
+from .._native import _cio
 from .kernel import Kernel
 from .memory import SideStream
 

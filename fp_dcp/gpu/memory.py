@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import _cio
+from .._native import _cio
 from ..io.buffers import BufferPool
 from ..log import log, log_once
 from ..units import PAGE, align_up

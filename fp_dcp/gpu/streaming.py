@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import _cio
+from .._native import _cio
 from ..config import IOConfig
 from ..io.buffers import BufferPool
 from ..io.extents import Extent, Part

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from .. import _cio
+from .._native import _cio
 from ..units import MiB
 from .files import DataFile, short_read
 from .userfault import UserfaultFiller

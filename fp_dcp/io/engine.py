@@ -3,7 +3,7 @@
 Two engines with one interface and the same on-disk result, and one that
 stores nothing:
 
-- ``UringEngine``: requests go through one io_uring ring (``fp_dcp._cio``),
+- ``UringEngine``: requests go through one io_uring ring (``fp_dcp._native._cio``),
   up to ``queue_depth`` in flight, pool buffers registered as fixed buffers.
   Submission never blocks; ``wait`` reaps completions with the GIL released.
 - ``ThreadEngine``: positional reads and writes from a small thread pool, for
@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .. import _cio
+from .._native import _cio, missing
 from ..config import IOConfig
 from ..log import log_once
 from .buffers import BufferPool
@@ -358,13 +358,17 @@ class NullEngine(Engine):
 
 
 def create_engine(config: IOConfig) -> Engine:
-    """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once."""
+    """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once. The first engine
+    of a process also says, once, what the build lacks: a source build's own report scrolls past in pip's
+    hidden output."""
+    for library in missing():
+        log_once(library.absence())
     if config.engine == "threads":
         return ThreadEngine(config)
     if config.engine == "null":
         return NullEngine(config)
     if not _cio.HAVE_IO_URING:
-        reason = "fp_dcp._cio was built without liburing"
+        reason = "fp-dcp was built without liburing"
     else:
         try:
             return UringEngine(config)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
-from .. import _cio
+from .._native import _cio
 from ..units import PAGE
 from .buffers import BufferPool
 from .engine import Engine, Ticket

@@ -15,7 +15,7 @@ import secrets
 import tempfile
 from collections.abc import Callable
 
-from .. import _cio
+from .._native import _cio
 from ..log import log_once
 from ..units import PAGE
 from .device import filesystem_of

@@ -5,7 +5,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from .. import _cio
+from .._native import _cio, missing
+from .._native.libraries import LIBRARIES
 from ..config import IOConfig
 from .engine import create_engine
 from .files import probe_file
@@ -17,7 +18,10 @@ def engine_info(directory: str | None = None, config: IOConfig | None = None) ->
     """The engine ``config`` resolves to here, and how files in ``directory`` will be accessed.
 
     Returns a dict with ``engine`` (``"io_uring"`` or ``"threads"``),
-    ``fallback_reason`` (why not io_uring, or None), ``crc32c_hardware``, and
+    ``fallback_reason`` (why not io_uring, or None), ``crc32c_hardware``,
+    ``crc32c_engine`` (``"isa-l"``, ``"sse4.2"`` or ``"tables"``),
+    ``libraries`` (each optional library of the native build: whether it is
+    linked), ``missing`` (what each absent one costs, and the way to it), and
     ``direct_io`` and ``alignment`` for files created in ``directory`` (by
     default the temporary directory; pass the checkpoint directory, since
     filesystems differ).
@@ -29,6 +33,9 @@ def engine_info(directory: str | None = None, config: IOConfig | None = None) ->
             "engine": engine.name,
             "fallback_reason": engine.fallback_reason,
             "crc32c_hardware": bool(_cio.CRC32C_HARDWARE),
+            "crc32c_engine": _cio.CRC32C_ENGINE,
+            "libraries": {library.name: library.name in _cio.LINKED_LIBRARIES for library in LIBRARIES},
+            "missing": {library.name: library.absence() for library in missing()},
         }
     finally:
         engine.close()

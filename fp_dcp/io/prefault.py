@@ -38,7 +38,7 @@ from __future__ import annotations
 import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .. import _cio
+from .._native import _cio
 from ..log import log_once
 from ..units import MiB
 from .userfault import UserfaultFiller

@@ -40,7 +40,7 @@ import bisect
 import os
 import threading
 
-from .. import _cio
+from .._native import _cio
 from ..log import log_once
 
 __all__ = ["UserfaultFiller"]

@@ -12,7 +12,7 @@ then skipped, with a warning once per process.
 
 from __future__ import annotations
 
-from .. import _cio
+from .._native import _cio
 from ..format import HASHING, SAMPLE_MIN, SAMPLE_WINDOW, ItemLocation, sample_offsets
 from ..log import log_once
 
@@ -38,7 +38,7 @@ class ItemHashes:
             return None
         if not HASHING:
             log_once(
-                "fp-dcp: fp_dcp._cio was built without libxxhash: the XXH3-128 hashes of incremental saves "
+                "fp-dcp: fp_dcp._native._cio was built without libxxhash: the XXH3-128 hashes of incremental saves "
                 "are not checked (their CRC-32C is)"
             )
             return None

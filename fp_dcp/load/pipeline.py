@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from .. import _cio
+from .._native import _cio
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item

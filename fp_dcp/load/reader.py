@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _cio
+from .._native import _cio
 from ..checkpoint import is_safetensors_directory, open_checkpoint, read_metadata_bytes
 from ..compat import DCP_HIDES_METADATA_ERRORS
 from ..config import IOConfig

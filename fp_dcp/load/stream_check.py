@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .. import _cio
+from .._native import _cio
 from ..checkpoint import Checkpoint
 from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
 from ..io.buffers import BufferPool

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .. import _cio
+from .._native import _cio
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CheckpointError
 from ..format import HASHING, SAMPLE_MIN, SAMPLE_WINDOW, ItemLocation, sample_offsets
@@ -45,7 +45,7 @@ T = TypeVar("T")
 def check_hashing() -> None:
     if not HASHING:
         raise RuntimeError(
-            "incremental saves need fp_dcp._cio built with libxxhash (Debian: apt-get install libxxhash-dev, "
+            "incremental saves need fp_dcp._native._cio built with libxxhash (Debian: apt-get install libxxhash-dev, "
             "then rebuild fp-dcp); this build has no content hash"
         )
 

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import _cio
+from .._native import _cio
 from ..config import IOConfig
 from ..format import ItemLocation, layout, stored_nbytes
 from ..gpu.copier import DeviceCopier

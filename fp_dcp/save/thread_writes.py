@@ -22,7 +22,7 @@ import functools
 import threading
 from collections.abc import Sequence
 
-from .. import _cio
+from .._native import _cio
 from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
 from ..io.checksum import BOUNCE, Checksummer

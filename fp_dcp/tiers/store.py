@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import _cio
+from .._native import _cio
 from ..format import METADATA_NAME
 from ..io.files import fsync_directory, write_durably
 from ..load.stream_check import StreamCheck

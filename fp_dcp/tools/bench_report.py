@@ -6,7 +6,8 @@ import os
 import subprocess
 from typing import TYPE_CHECKING, Any
 
-from .. import _cio, engine_info
+from .. import engine_info
+from .._native import _cio
 from ..units import MiB
 from .fio import Fio
 

@@ -6,6 +6,7 @@ from typing import Any
 from typing_extensions import Buffer
 
 HAVE_IO_URING: bool
+LINKED_LIBRARIES: tuple[str, ...]  # the optional libraries of fp_dcp._native.libraries this build links
 CRC32C_HARDWARE: bool
 CRC32C_ENGINE: str
 COPY_CRC32C_ENGINE: str  # "vpclmulqdq": copies checksum in the same pass; else CRC32C_ENGINE's, step by step
