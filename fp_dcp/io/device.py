@@ -14,15 +14,10 @@ every request has a fixed cost, that saved at 1.5x the speed.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from ..units import PAGE
 
-if TYPE_CHECKING:
-    from .buffers import BufferPool
-    from .files import DataFile
-
-__all__ = ["disk_of", "filesystem_of", "scatter_caps_requests", "in_place"]
+__all__ = ["disk_of", "filesystem_of", "scatter_caps_requests"]
 
 
 def disk_of(directory: str) -> str | None:
@@ -76,18 +71,3 @@ def scatter_caps_requests(directory: str) -> bool:
     segments = _queue_value(disk, "max_segments")
     max_kib = _queue_value(disk, "max_sectors_kb")
     return segments is not None and max_kib is not None and segments * PAGE < max_kib * 1024
-
-
-def in_place(setting: bool | None, f: DataFile, pool: BufferPool) -> bool:
-    """Whether runs of ``f`` move straight between tensor memory and the file, not through ``pool``.
-
-    ``setting`` is ``IOConfig.direct_writes`` or ``direct_reads``; None (auto)
-    copies through the pool only where that gets the disk larger requests:
-    O_DIRECT files on a disk whose requests scattered memory caps, from
-    buffers in huge pages.
-    """
-    if not f.direct:
-        return True  # the page cache copies the bytes anyway
-    if setting is not None:
-        return setting
-    return not (pool.huge and scatter_caps_requests(os.path.dirname(f.path)))

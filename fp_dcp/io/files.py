@@ -14,11 +14,15 @@ import os
 import secrets
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .._native import _cio
 from ..log import log_once
 from ..units import PAGE
-from .device import filesystem_of
+from .device import filesystem_of, scatter_caps_requests
+
+if TYPE_CHECKING:
+    from .buffers import BufferPool
 
 __all__ = [
     "DataFile",
@@ -29,6 +33,7 @@ __all__ = [
     "kernel_copies",
     "in_memory",
     "from_memory",
+    "in_place",
     "preallocate",
     "fsync_path",
     "fsync_directory",
@@ -192,6 +197,21 @@ def kernel_copies(directory: str, direct: bool | None) -> bool:
         except OSError:
             return False  # direct=True where the filesystem refuses: the save itself says so
     return _COPIES_BY_DEVICE[device]
+
+
+def in_place(setting: bool | None, f: DataFile, pool: BufferPool) -> bool:
+    """Whether runs of ``f`` move straight between tensor memory and the file, not through ``pool``.
+
+    ``setting`` is ``IOConfig.direct_writes`` or ``direct_reads``; None (auto)
+    copies through the pool only where that gets the disk larger requests:
+    O_DIRECT files on a disk whose requests scattered memory caps, from
+    buffers in huge pages.
+    """
+    if not f.direct:
+        return True  # the page cache copies the bytes anyway
+    if setting is not None:
+        return setting
+    return not (pool.huge and scatter_caps_requests(os.path.dirname(f.path)))
 
 
 def preallocate(f: DataFile, size: int) -> None:

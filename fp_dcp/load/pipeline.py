@@ -35,10 +35,9 @@ from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_ite
 from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
 from ..io.checksum import BOUNCE, Checksummer
-from ..io.device import in_place
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, ShortReadError, from_memory, open_file
+from ..io.files import DataFile, ShortReadError, from_memory, in_place, open_file
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller

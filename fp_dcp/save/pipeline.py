@@ -41,10 +41,9 @@ from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
 from ..io.checksum import Checksummer
 from ..io.dealing import deal
-from ..io.device import in_place
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, open_file, preallocate
+from ..io.files import DataFile, in_place, open_file, preallocate
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls

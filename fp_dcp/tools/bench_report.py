@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import engine_info
 from .._native import _cio
 from ..units import MiB
+from .bench_method import Method
 from .fio import Fio
-
-if TYPE_CHECKING:
-    from .bench import Method
 
 __all__ = ["GB", "DD", "NULL", "MEMORY", "DISK", "TARGETS", "TMPFS", "tmpfs_fio_name", "report", "print_report"]
 
