@@ -69,8 +69,8 @@ class IOConfig:
             A writer that writes several files at once (``data_dirs`` x
             ``lanes_per_dir``) uses at least two buffers per file.
         block_size: largest single request handed to the kernel. 32 MiB keeps a
-            device busy with few requests (measured: 32 MiB x depth 8 beat
-            8 MiB x depth 16 on NVMe-like virtual disks).
+            device busy with few requests, for less CPU than more, smaller
+            ones (docs/benchmarks.md, "Figures behind design comments").
         queue_depth: most requests in flight at once (io_uring engine).
         io_threads: worker threads of the ``threads`` engine; also the most threads that hash
             items in parallel in incremental saves (at most one per CPU).
@@ -84,9 +84,10 @@ class IOConfig:
             memory in 4 KiB pages can fill (``fp_dcp.io.device``: virtio
             disks, for one) and the kernel has transparent huge pages
             enabled, and writes in place elsewhere.
-            On a virtio disk the copy saved at 1.5x the speed of writing in
-            place (~730 KiB requests against 4 MiB), for ~0.1 more
-            CPU-seconds per GB.
+            On a virtio disk the copy saved faster than writing in place (its
+            requests reached the device's largest size, where scattered 4 KiB
+            pages fill a fraction of it), for a little more CPU per GB
+            (docs/benchmarks.md, "Slow disks").
         direct_reads: the same choice for loads: ``True`` reads runs of at
             least ``direct_min`` bytes straight into the target tensors,
             ``False`` reads every byte into the staging buffers and copies it

@@ -357,7 +357,8 @@ def unpickle_metadata(body: bytes, where: str) -> Any:
 
     The garbage collector is off meanwhile: unpickling makes objects only
     (DCP's metadata holds no cycles), and collections triggered by every few
-    hundred of them made opening 20,000 items about 4 times slower.
+    hundred of them made opening a checkpoint of many items several times
+    slower (docs/benchmarks.md, "Figures behind design comments").
     """
     collecting = gc.isenabled()
     gc.disable()

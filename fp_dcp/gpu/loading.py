@@ -4,8 +4,9 @@ The read pipeline reads the bytes of device targets into the reader's pool
 buffers (page-locked once, ``memory.page_lock``), and hands each buffer's
 parts to ``DeviceLoads.copy``: the host-to-device copies are queued on the
 device's side stream while the next reads are in flight, and ``settle``
-waits for the copies before the buffer goes back to the pool (at 55 GB/s a
-buffer crosses long before the disk fills the next). The parts of items
+waits for the copies before the buffer goes back to the pool (a buffer
+crosses the bus long before the disk fills the next: docs/benchmarks.md,
+"Figures behind design comments"). The parts of items
 whose checksum is verified are checksummed where they landed, on the device,
 by one launch per buffer after its copies (``fp_dcp.gpu.crc``); where that
 kernel cannot run, the host threads checksum them while they cross. No pageable
@@ -63,8 +64,9 @@ class DeviceLoads(DeviceMemory):
         ``checksum``: the item whose running CRC-32C these bytes continue,
         computed on the device once they landed (its value is there after
         ``settle``), or by the host now, while they cross, where the kernel
-        cannot run: over ``checksummer``'s threads (one core checksums at
-        about 10 GB/s, a fifth of the bus).
+        cannot run: over ``checksummer``'s threads (one core checksums far
+        slower than the bus carries: docs/benchmarks.md, "Figures behind
+        design comments").
         """
         side = self._streams.get(target.device)
         if side is None:

@@ -10,15 +10,16 @@ touched once at allocation, which is when a pool is first asked for them:
 - On virtual machines that hand freed memory back to the host, memory touched
   afresh is copied into several times slower than memory already faulted in.
 
-A writer or reader keeps its pool for its whole life. (The first pool of a
-process took 0.28 s per 128 MiB here, fresh memory from the host; later
-ones, reusing freed huge pages, 0.02 s.) When a pool is closed (or
-collected: a reader made for one ``dcp.load`` and dropped), its buffers
-wait ``SPARE_SECONDS`` for the next pool of the same shape, which takes
-them as they are instead of faulting in fresh memory: a reader made anew for
-each load, as the README's example makes one, then starts with warm
-buffers (128 MiB: 15 ms instead of 57-240 ms of CPU here). One set waits
-at a time; past the wait one daemon thread a process unmaps it.
+A writer or reader keeps its pool for its whole life: the first pool of a
+process faults in memory fresh from the host, many times slower than later
+ones that reuse freed huge pages (docs/benchmarks.md, "Figures behind
+design comments"). When a pool is closed (or collected: a reader made for
+one ``dcp.load`` and dropped), its buffers wait ``SPARE_SECONDS`` for the
+next pool of the same shape, which takes them as they are instead of
+faulting in fresh memory: a reader made anew for each load, as the README's
+example makes one, then starts with warm buffers, for a fraction of the CPU
+fresh ones cost (the same section). One set waits at a time; past the wait
+one daemon thread a process unmaps it.
 
 Whoever registers the buffers somewhere that outlives a mapping (CUDA's
 page-locking) records it with ``register``: the registration stays with the
@@ -84,10 +85,11 @@ class BufferPool:
     The buffers are mapped (or taken from a spare set) when first asked for
     (``views``, ``free``, a registration), not when the pool is made: a load
     that reads every byte in place (tmpfs and other buffered files, huge-page
-    targets) never faults in memory it does not use (128 MiB new to this VM:
-    0.17 s, a third of a 2 GB load from tmpfs). ``on_map`` is called with
-    the buffers once they are mapped, before anyone uses them (the engine
-    registers them with its ring).
+    targets) never faults in memory it does not use (on a VM, memory new to
+    the guest faults in slowly: a large share of a fast load's time;
+    docs/benchmarks.md, "Figures behind design comments"). ``on_map`` is
+    called with the buffers once they are mapped, before anyone uses them
+    (the engine registers them with its ring).
 
     ``huge``: the kernel was asked for huge pages and has them enabled (it
     may still fall back to 4 KiB pages where it finds no free 2 MiB ones);

@@ -1,10 +1,11 @@
 """CRC-32C (and the copy fused with it) of large byte ranges, over several threads.
 
-One core checksums at 10-20 GB/s and copies at 6-10: where bytes arrive
-faster than that (the page cache, tmpfs, a node's NVMe drives, a GPU) one
-thread is the limit. A large range is cut into slices; the calling thread
-takes the first, pool threads the others, each checksumming its own slice
-from zero; ``crc32c_combine`` then joins the slices' CRCs, so the result is
+One core checksums and copies only so fast: where bytes arrive faster than
+that (the page cache, tmpfs, a node's NVMe drives, a GPU) one thread is the
+limit (docs/benchmarks.md, "Figures behind design comments"). A large range
+is cut into slices; the calling thread takes the first, pool threads the
+others, each checksumming its own slice from zero; ``crc32c_combine`` then
+joins the slices' CRCs, so the result is
 the one a single pass gives. Small ranges, and ranges whose bytes also feed
 a running XXH3-128 (which cannot be split), stay in the calling thread.
 """
@@ -22,8 +23,9 @@ from .userfault import UserfaultFiller
 
 __all__ = ["Checksummer", "MIN_SLICE", "BOUNCE"]
 
-MIN_SLICE = 4 * MiB  # a task costs ~20 us; 4 MiB take ~400 us on one core
-BOUNCE = 256 << 10  # read_crc32c's buffer: stays in a core's cache (128 KiB-4 MiB ran alike from tmpfs here)
+# The measurements behind both: docs/benchmarks.md, "Figures behind design comments".
+MIN_SLICE = 4 * MiB  # a slice takes one core many times what handing it to a pool thread costs
+BOUNCE = 256 << 10  # read_crc32c's buffer: stays in a core's cache (smaller and larger ones ran alike from tmpfs)
 
 
 def _bytes(view: memoryview) -> memoryview:

@@ -6,9 +6,10 @@ Linux describes each disk's request limits under ``/sys/block/<disk>/queue``:
 gather. A transfer from memory scattered over 4 KiB pages, as a tensor's is,
 needs a segment per page, so where ``max_segments`` pages hold less than
 ``max_sectors_kb`` the device never gets a full-size request from it: a
-virtio disk with 254 segments and 4 MiB requests got ~730 KiB ones. From 2
-MiB huge pages (``io.buffers``) it gets 4 MiB requests; on such disks, where
-every request has a fixed cost, that saved at 1.5x the speed.
+virtio disk with 254 segments and 4 MiB requests got requests under 1 MiB.
+From 2 MiB huge pages (``io.buffers``) it gets 4 MiB requests; on such
+disks, where every request has a fixed cost, that saved faster
+(docs/benchmarks.md, "Slow disks").
 """
 
 from __future__ import annotations

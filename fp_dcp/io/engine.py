@@ -398,8 +398,9 @@ class IOResources:
     def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
         """The engine and the pool: ``num_buffers`` buffers, or ``min_buffers`` where that is more. A writer asks
         for two per file it writes at once, one filling while another is written: with fewer, saves staged from
-        a GPU into 8 directories on tmpfs kept 4 writes in flight and ran at half of fio's 8 jobs. Made at the
-        first call and kept; made anew, larger, where a later call asks for more (call it between transfers)."""
+        a GPU into 8 directories on tmpfs kept fewer writes in flight than files and fell well short of fio's 8
+        jobs (docs/benchmarks.md, "Figures behind design comments"). Made at the first call and kept; made
+        anew, larger, where a later call asks for more (call it between transfers)."""
         if self._pool is not None and self._pool.count < min_buffers:
             self.close_pool()
         if self._engine is None or self._pool is None:

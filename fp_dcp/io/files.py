@@ -99,10 +99,11 @@ def _direct_alignment(fd: int, writing: bool) -> int | None:
     # For writes, what the device accepts is not enough: ext4 and XFS treat a
     # direct write that is not aligned to the filesystem's block as
     # "unaligned", take the inode lock exclusively and wait for it to
-    # complete, so such writes to one file run one at a time (measured: 20
-    # requests in flight instead of 150, at 0.8x the speed). Writes are
-    # therefore aligned to the block too, up to a page; reads share the lock
-    # and need no more than the device's alignment (less read around an item).
+    # complete, so such writes to one file run one at a time (a handful of
+    # requests in flight instead of a deep queue, and slower:
+    # docs/benchmarks.md, "Slow disks"). Writes are therefore aligned to the
+    # block too, up to a page; reads share the lock and need no more than the
+    # device's alignment (less read around an item).
     block = min(os.fstat(fd).st_blksize, MAX_DIRECT_ALIGN) if writing else 512
     return max(mem_align, offset_align, 512, block)
 
@@ -205,7 +206,8 @@ def in_place(setting: bool | None, f: DataFile, pool: BufferPool) -> bool:
     ``setting`` is ``IOConfig.direct_writes`` or ``direct_reads``; None (auto)
     copies through the pool only where that gets the disk larger requests:
     O_DIRECT files on a disk whose requests scattered memory caps, from
-    buffers in huge pages.
+    buffers in huge pages (which saved faster on a virtio disk:
+    docs/benchmarks.md, "Slow disks").
     """
     if not f.direct:
         return True  # the page cache copies the bytes anyway

@@ -2,10 +2,11 @@
 
 Targets nobody has written yet (``torch.empty``, a meta-device model after
 ``to_empty()``) are untouched anonymous memory: each first write of a page
-is a fault in which the kernel finds and clears it, 1.5-4 GB/s on one thread
-of this project's machines (a second write: 26 GB/s). A load that takes
-those faults in the thread that also keeps the reads going drains the disk's
-queue. So, for each target a load is about to fill:
+is a fault in which the kernel finds and clears it, several times slower
+than a second write of the same page (docs/benchmarks.md, "Figures behind
+design comments"). A load that takes those faults in the thread that also
+keeps the reads going drains the disk's queue. So, for each target a load is
+about to fill:
 
 - ``advise_huge`` asks for transparent huge pages on its 2 MiB-aligned blocks
   that hold no page yet (never on memory already touched), synchronously: a
@@ -14,16 +15,15 @@ queue. So, for each target a load is about to fill:
   small requests (``io.device``). Only where the kernel's THP ``defrag``
   setting is ``defer`` or ``never``: with ``madvise`` (the kernel's default),
   ``defer+madvise`` or ``always``, a fault in advised memory compacts memory
-  itself when no huge page is free, and on this project's VM that made loads
-  into fresh targets slower and erratic (2 GB, three alternating rounds:
-  1.08-2.82 GB/s and 0.47-1.52 CPU-s/GB with huge pages asked for,
-  1.96-2.60 GB/s and 0.55-0.62 CPU-s/GB populating 4 KiB pages);
+  itself when no huge page is free, and that made loads into fresh targets
+  slower and erratic against populating 4 KiB pages (docs/benchmarks.md,
+  "Fresh and touched targets, the null sink");
 - ``populate`` faults in every page that holds none yet (``MADV_POPULATE_WRITE``,
   Linux 5.14) on helper threads, a window ahead of the reads, in slices, so
   reads into the target's first slices can start while its last ones are
   still faulted in. Pages already there (targets written before) are
   skipped, found by ``mincore``: faulting them in again cost a touched-target
-  load 18% more CPU.
+  load CPU for nothing (docs/benchmarks.md, "Figures behind design comments").
 
 - where every read of the load goes through staging buffers, a target whose
   whole pages are all untouched is instead registered with the load's

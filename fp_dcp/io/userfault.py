@@ -6,9 +6,9 @@ clears each page at its first touch (``io.prefault`` moves that off the
 reads' path, but the CPU still pays it), then the bytes are copied over the
 zeros. With a userfaultfd, the load registers such a target's untouched
 pages and installs each one with its bytes already in it (``UFFDIO_COPY``):
-one copy, no clearing, no fault. 2 GiB of fresh memory filled from a 4 MiB
-buffer on this project's 2-core VM: 0.28-0.30 CPU-s/GB that way against
-0.47-0.59 faulting in, then copying.
+one copy, no clearing, no fault, and clearly less CPU than faulting in,
+then copying (docs/benchmarks.md, "Fresh targets filled through a
+userfaultfd").
 
 What keeps it invisible to everything else in the process:
 

@@ -48,7 +48,8 @@ __all__ = ["read_items"]
 
 _MAX_WASTE = 0.05  # read through holes between needed runs while they add at most 5% to the bytes read
 # Items are resolved, and their memory handed to the prefaulter, this far ahead of their reads: a second of
-# reads on a fast disk, while a fault-in keeps up at 2-4 GB/s per thread.
+# reads on a fast disk, which a fault-in on one helper thread keeps up with (docs/benchmarks.md, "Figures
+# behind design comments").
 _LOOKAHEAD = 1 << 30
 _ONE_THREAD = Checksummer(1)
 _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory

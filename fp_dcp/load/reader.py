@@ -93,7 +93,8 @@ class FastPersistReader(StorageReader):
             overrides it (``dcp.load(sd, checkpoint_id=..., storage_reader=r)``);
             a load with neither fails with a ``ValueError`` saying so.
         verify_checksums: check each wholly read item against its stored
-            CRC-32C (costs about 0.07 CPU-seconds per GB); a mismatch raises
+            CRC-32C (its CPU cost per GB: docs/benchmarks.md, "Single process,
+            4 GB"); a mismatch raises
             ``CorruptCheckpointError`` naming the item and file.
         data_dirs: where the checkpoint's data directories are now, in the
             order of the list it was saved with, when they have moved to

@@ -92,8 +92,9 @@ def remove_leftovers(directory: str, keep: set[str], spare: set[str]) -> list[st
 class Cleanup:
     """The replaced checkpoint's files, removed on a thread of their own after the new one is published.
 
-    Freeing a large file's space is the filesystem's slowest step (8 GiB on
-    tmpfs: 0.3 s), and nothing needs to wait for it: the files belong to no
+    Freeing a large file's space is the filesystem's slowest step (a sizeable
+    share of a save into tmpfs: docs/benchmarks.md, "Figures behind design
+    comments"), and nothing needs to wait for it: the files belong to no
     checkpoint any more, and their names are this save's to forget. A crash
     before they are gone leaves them behind, unreferenced; the next save into
     the directory removes them as leftovers (``remove_leftovers``). The

@@ -104,11 +104,11 @@ def auto_lanes(directories: Sequence[str], config: IOConfig, nbytes: int) -> int
     order on one worker where the filesystem does not declare parallel
     direct writes, as ext4 and xfs do and tmpfs does not): there a rank writes
     twice as many files as it has ``host_threads`` (at most 8), spread over
-    the directories, so that several copies run at once. One rank saving
-    1 GiB into tmpfs on 2 cores, alternating: 1.76-1.83 GB/s with one
-    file, 2.10-2.18 with four; two ranks there gained nothing from a
-    second file each (both cores were busy), nor lost. A file is added only
-    for every ``LANE_BYTES`` to write: a small state gains nothing from
+    the directories, so that several copies run at once: one rank saved into
+    tmpfs faster with four files than with one, and two ranks on two cores
+    gained nothing from a second file each (both cores were busy), nor lost
+    (docs/benchmarks.md, "Figures behind design comments"). A file is added
+    only for every ``LANE_BYTES`` to write: a small state gains nothing from
     more files, each one more to create, preallocate and sync.
     """
     if not any(kernel_copies(d, config.direct_io) for d in directories):

@@ -3,13 +3,13 @@
 Where the kernel copies every byte written (tmpfs, the page cache), a new
 file's memory is taken page by page as the save writes it: the kernel
 clears every page first, and on a VM whose host took freed memory back (free
-page reporting) each page also costs a fault on the host. One rank's 1.15 GB
-FSDP2 shard into tmpfs, first save of a process on this project's 2-core VM:
-0.7-1.4 GB/s; into pages freed a moment before: 2.8-2.9 GB/s. A file
-overwritten keeps its pages. ``CheckpointManager`` therefore moves a step it
-prunes to a *spare* directory (``SPARE_NAME`` in its root) instead of
-removing it, and its next save takes this rank's files from there
-(``take_spares``): each is renamed to a new data file's name and
+page reporting) each page also costs a fault on the host: a save into tmpfs
+ran at a fraction of the speed it reached into pages freed a moment before
+(docs/benchmarks.md, "A node on one machine", and "Saves into tmpfs minutes
+apart"). A file overwritten keeps its pages. ``CheckpointManager``
+therefore moves a step it prunes to a *spare* directory (``SPARE_NAME`` in
+its root) instead of removing it, and its next save takes this rank's files
+from there (``take_spares``): each is renamed to a new data file's name and
 overwritten, every byte of it (``fp_dcp.save.pipeline``). What the save does
 not take is removed with the spare at the next pruning.
 

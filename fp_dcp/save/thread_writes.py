@@ -5,15 +5,15 @@ A write into tmpfs or the page cache is the kernel copying out of the
 caller's memory, one copy at a time per file (the inode lock). Through the
 ring, those copies run on the kernel's workers while the calling thread and
 a helper checksum the same bytes again from memory: four busy threads on two
-cores, 0.87 x ``fio --numjobs=2`` into tmpfs; into ext4's page cache
-(``direct_io=False``) a process's first save through the ring ran at 0.40
-GB/s and 3.6 CPU-s/GB, its later ones at 0.75-1.57 GB/s. Here each
-host thread takes its share of the files and writes their extents in order:
-runs of tensor memory with ``_cio.write_crc32c``, a step of 256 KiB at a
-time, checksummed while the step is still in the core's cache; staged
-extents through a pool buffer of its own. Each file's extents stay in one
-thread and in order, so every item's running CRC-32C (and XXH3 in
-incremental saves) is what the ring's path computes.
+cores, short of ``fio --numjobs=2`` into tmpfs, and a process's first save
+into ext4's page cache (``direct_io=False``) through the ring was slower
+still, for much more CPU (docs/benchmarks.md, "Saves the kernel copies").
+Here each host thread takes its share of the files and writes their
+extents in order: runs of tensor memory with ``_cio.write_crc32c``, a step
+of 256 KiB at a time, checksummed while the step is still in the core's
+cache; staged extents through a pool buffer of its own. Each file's extents
+stay in one thread and in order, so every item's running CRC-32C (and XXH3
+in incremental saves) is what the ring's path computes.
 """
 
 from __future__ import annotations

@@ -3,15 +3,16 @@
 A request from memory in 4 KiB pages gathers a segment per page, so on a
 disk that takes larger requests than its ``max_segments`` pages hold (a
 virtio disk: 254 segments, 4 MiB requests) fio's requests from its plain
-buffers stay near 600 KiB and it reads and writes about half as fast as the
-disk can (``fp_dcp.io.device``). From buffers in huge pages
-(``--iomem=shmhuge``) its requests reach the device's largest size. Those
-pages come only from the kernel's pool, ``/proc/sys/vm/nr_hugepages``:
-``reference`` raises it by what fio needs (root only), checks that fio
-allocates its buffers there, and puts the setting back afterwards, also when
-the work inside fails or is interrupted. Where it cannot, fio runs with its
-plain buffers and ``Fio.buffers`` says why. ``fp-dcp bench``, ``fp-dcp
-tune`` and the benchmarks in ``benchmarks/`` all run fio through here.
+buffers stay far below the largest and it reads and writes well below what
+the disk can (``fp_dcp.io.device``; docs/benchmarks.md, its opening
+paragraph). From buffers in huge pages (``--iomem=shmhuge``) its requests
+reach the device's largest size. Those pages come only from the kernel's
+pool, ``/proc/sys/vm/nr_hugepages``: ``reference`` raises it by what fio
+needs (root only), checks that fio allocates its buffers there, and puts the
+setting back afterwards, also when the work inside fails or is interrupted.
+Where it cannot, fio runs with its plain buffers and ``Fio.buffers`` says
+why. ``fp-dcp bench``, ``fp-dcp tune`` and the benchmarks in
+``benchmarks/`` all run fio through here.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class Jobs(Fio):
     ``:``-separated: job ``j`` writes ``fio.<j>`` in directory ``j`` modulo their count, ``size`` bytes each.
     ``direct=False``: buffered, where the filesystem refuses O_DIRECT. ``allocate_first=False``: no
     ``fallocate`` while fio lays its files out, off its clock: on tmpfs that allocates every page of the
-    file, about half of what a write into it costs, and fp-dcp's saves allocate theirs on theirs.
+    file, much of what a write into it costs (docs/benchmarks.md, "A node on one machine"), and fp-dcp's
+    saves allocate theirs on theirs.
     ``cached=True``: reads find what the page cache holds (fio drops a file's cached pages before a job by
     default)."""
 

@@ -150,10 +150,10 @@ def recycle(directory: str, nbytes: int, name: str = "recycled") -> None:
     """Write ``nbytes`` into a file ``name`` in ``directory`` (a tmpfs) and remove it, so that the next write
     there takes pages the guest used a moment ago. On a VM that hands free memory back to its host (free page
     reporting), a page unused for a few seconds costs a host fault again at its next touch: 2 ranks' first save
-    into tmpfs ran at 0.7-1.4 GB/s and 1.2-2.6 CPU-s/GB, the same save after this at 2.8-2.9 GB/s and 0.65-0.68,
-    and fio, which wrote right after fp-dcp's files were removed, always had recycled pages. Every writer
-    ``benchmarks/node_bench.py`` and ``fp-dcp bench`` measure on tmpfs (fp-dcp, fio) starts after this: they
-    meet the same memory."""
+    into tmpfs ran at a fraction of the speed, for several times the CPU, of the same save after this
+    (docs/benchmarks.md, "A node on one machine"), and fio, which wrote right after fp-dcp's files were removed,
+    always had recycled pages. Every writer ``benchmarks/node_bench.py`` and ``fp-dcp bench`` measure on tmpfs
+    (fp-dcp, fio) starts after this: they meet the same memory."""
     path = os.path.join(directory, name)
     block = bytes(64 << 20)
     with open(path, "wb") as f:
