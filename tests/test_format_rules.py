@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -381,6 +382,20 @@ def dirty_padding(path: Path) -> dict[str, Any]:
     return {}
 
 
+def no_path_name(path: Path) -> dict[str, Any]:
+    """The data file named with a JSON-escaped lone surrogate in the footer and in every location."""
+    bad = "\ud800.distcp"
+
+    def rename(md: Any, footer: dict[str, Any]) -> None:
+        name, entry = only_file(footer)
+        footer["files"] = {name.replace(".distcp", bad): entry}
+        for info in md.storage_data.values():
+            info.relative_path = info.relative_path.replace(".distcp", bad)
+
+    edit(path, metadata=rename)
+    return {}
+
+
 def other_byteorder(footer: dict[str, Any]) -> None:
     footer["byteorder"] = "big" if sys.byteorder == "little" else "little"
 
@@ -517,6 +532,27 @@ CASES = [
         on_footer(lambda f: f["files"].update({"../x.distcp": f["files"].pop(only_file(f)[0])})),
     ),
     Case(
+        "file-entry",
+        "a name with a lone surrogate",
+        "CorruptCheckpointError",
+        "\\ud800.distcp' is not a file name",
+        no_path_name,
+    ),
+    Case(
+        "file-entry",
+        "an owner with a lone surrogate",
+        "CorruptCheckpointError",
+        "gives owner '..\\ud800', not a relative path",
+        on_entry(lambda e: e.update(owner="..\ud800")),
+    ),
+    Case(
+        "footer-keys",
+        "a data dir with a lone surrogate",
+        "CorruptCheckpointError",
+        "lists '/d\\ud800' in data_dirs, not a path",
+        on_footer(lambda f: f.update(data_dirs=["/d\ud800"], data_subdir="s")),
+    ),
+    Case(
         "byteorder",
         "middle",
         "CorruptCheckpointError",
@@ -632,6 +668,14 @@ CASES = [
         "CorruptCheckpointError",
         "relative_path '../__0_0.distcp'",
         stock_set("w", [0, 0], relative_path="../__0_0.distcp"),
+        "stock",
+    ),
+    Case(
+        "location",
+        "stock: a file with a lone surrogate",
+        "CorruptCheckpointError",
+        "relative_path '__0_0\\ud800.distcp'",
+        stock_set("w", [0, 0], relative_path="__0_0\ud800.distcp"),
         "stock",
     ),
     Case(
@@ -874,6 +918,20 @@ def test_a_broken_rule_is_refused_as_the_table_says(case, templates, tmp_path):
     else:
         with pytest.raises(error, match=re.escape(case.words)):
             verify_checkpoint(path, kwargs.get("data_dirs"))
+
+
+def test_verify_prints_its_verdict_on_a_name_that_encodes_as_no_path(templates, tmp_path):
+    """The name is quoted in the problem: printed raw, a lone surrogate would raise on any stdout."""
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    no_path_name(tmp_path / "plain")
+    done = subprocess.run(
+        [sys.executable, "-m", "fp_dcp", "verify", str(tmp_path / "plain")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},  # strict, whatever the environment says
+    )
+    assert done.returncode == 1 and "BAD " in done.stdout, done
+    assert "\\ud800.distcp' is not a file name" in done.stdout
 
 
 @pytest.fixture
