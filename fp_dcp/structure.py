@@ -7,7 +7,7 @@ would come out wrong or partial fails before a target is touched:
 
 - every entry of ``state_dict_metadata`` is an object or a tensor whose
   dtype is a torch dtype (never a quantized one in fp-dcp's format), whose
-  size and chunks' offsets and sizes are non-negative ints;
+  size and chunks' offsets and sizes are tuples of non-negative ints;
 - every tensor's chunks tile it (``fp_dcp.tiling``);
 - every chunk and object has a stored item in ``storage_data``.
 
@@ -122,10 +122,13 @@ def _check_tensor(
 
 
 def _counts(values: Any) -> TypeGuard[Sequence[int]]:
-    """Whether ``values`` is a tuple (``torch.Size`` is one) or list of non-negative ints (bool is no int)."""
+    """Whether ``values`` is a tuple (``torch.Size`` is one) of non-negative ints (bool is no int).
+
+    Not a list: DCP's loader compares a stored size with the target's ``torch.Size``, which no list equals.
+    """
     if type(values) is torch.Size:  # its entries are ints
         return not values or min(values) >= 0
-    return isinstance(values, (tuple, list)) and all(type(v) is int and v >= 0 for v in values)
+    return isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)
 
 
 def _check_location(index: MetadataIndex, location: ItemLocation, files: dict[str, dict[str, Any]], where: str) -> None:

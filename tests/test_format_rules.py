@@ -600,6 +600,28 @@ CASES = [
     ),
     Case(
         "entry",
+        "a size as a list",
+        "CorruptCheckpointError",
+        "'big' has size [20000] and chunks",
+        on_metadata(lambda md: setattr(md.state_dict_metadata["big"], "size", [20000])),
+    ),
+    Case(
+        "entry",
+        "stock: a size as a list",
+        "CorruptCheckpointError",
+        "'big' has size [20000] and chunks",
+        on_stock(lambda md: setattr(md.state_dict_metadata["big"], "size", [20000])),
+        "stock",
+    ),
+    Case(
+        "entry",
+        "a chunk's sizes as a list",
+        "CorruptCheckpointError",
+        "'w' has a chunk at torch.Size([0, 0]) of sizes [8, 4]",
+        on_metadata(lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", [8, 4])),
+    ),
+    Case(
+        "entry",
         "chunks a tuple",
         "CorruptCheckpointError",
         "'w' has size torch.Size([8, 4]) and chunks (",
@@ -1018,6 +1040,36 @@ def test_what_no_rule_covers_reads_as_written(template, change, templates, tmp_p
     assert all(torch.equal(into[k], v) for k, v in state().items() if k != "o") and into["o"] == {"step": 3}
     report = verify_checkpoint(path)
     assert report.ok, report.problems
+
+
+def plain_tuples(md: Any) -> None:
+    """Every size and offset of w and big, and their items' keys, a tuple that is no torch.Size."""
+    for fqn in ("w", "big"):
+        tensor = md.state_dict_metadata[fqn]
+        tensor.size = tuple(tensor.size)
+        for chunk in tensor.chunks:
+            chunk.offsets, chunk.sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            location = md.storage_data.pop(MetadataIndex(fqn, chunk.offsets))
+            key = MetadataIndex(fqn)
+            object.__setattr__(key, "offset", chunk.offsets)  # its __init__ would make a torch.Size of it
+            md.storage_data[key] = location
+
+
+@pytest.mark.parametrize("template", ["plain", "stock"])
+def test_sizes_and_offsets_as_plain_tuples_read_the_same(template, templates, tmp_path):
+    shutil.copytree(templates / template, tmp_path / template)
+    path = tmp_path / template
+    if template == "stock":
+        edit_stock(path, plain_tuples)
+    else:
+        edit(path, metadata=lambda md, footer: plain_tuples(md))
+    md = FastPersistReader(path).read_metadata()
+    assert type(md.state_dict_metadata["w"].chunks[0].sizes) is tuple
+    assert {type(key.offset) for key in md.storage_data if key.fqn == "w"} == {tuple}
+    into = target()
+    dcp.load(into, storage_reader=FastPersistReader(path), no_dist=True)
+    assert all(torch.equal(into[k], v) for k, v in state().items() if k != "o") and into["o"] == {"step": 3}
+    assert verify_checkpoint(path).ok
 
 
 def test_a_one_byte_float4_pair_is_stored_as_its_byte(tmp_path):
