@@ -355,8 +355,8 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
 class _Unpickler(pickle.Unpickler):
     """Says which class a pickle names that this Python or torch lacks: not damage, another environment."""
 
-    def __init__(self, body: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(body))
+    def __init__(self, stream: io.BytesIO, where: str) -> None:
+        super().__init__(stream)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -369,23 +369,30 @@ class _Unpickler(pickle.Unpickler):
 
 
 def unpickle_metadata(body: bytes, where: str) -> Any:
-    """The object pickled in ``body`` (checksum already checked); a pickle that does not load is damage.
+    """The object pickled in ``body``, a pickle that ends where ``body`` does; anything else is damage.
 
-    The garbage collector is off meanwhile: unpickling makes objects only
-    (DCP's metadata holds no cycles), and collections triggered by every few
+    ``pickle.loads`` would ignore bytes after the pickle: no writer leaves
+    any, so they are damage that an accepted checkpoint would hide. The
+    garbage collector is off meanwhile: unpickling makes objects only (DCP's
+    metadata holds no cycles), and collections triggered by every few
     hundred of them made opening 20,000 items about 4 times slower.
     """
+    stream = io.BytesIO(body)
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _Unpickler(body, where).load()
+        found = _Unpickler(stream, where).load()
     except IncompatibleCheckpointError:
         raise
-    except Exception as e:  # the bytes are as written (the checksum matched), yet no object
+    except Exception as e:  # fp-dcp's bytes are as written (the checksum matched), yet no object
         raise CorruptCheckpointError(f"{where}: metadata pickle does not unpickle ({type(e).__name__}: {e})") from None
     finally:
         if collecting:
             gc.enable()
+    end = stream.tell()
+    if end != len(body):
+        raise CorruptCheckpointError(f"{where}: metadata pickle ends at byte {end}, and {len(body) - end} bytes follow")
+    return found
 
 
 def is_fp_metadata(data: bytes) -> bool:

@@ -223,6 +223,18 @@ def magic_alone(path: Path) -> dict[str, Any]:
     return {}
 
 
+def stock_and_more(path: Path) -> dict[str, Any]:
+    with open(path / ".metadata", "ab") as f:
+        f.write(b"more")
+    return {}
+
+
+def pickle_and_more(path: Path) -> dict[str, Any]:
+    """Bytes after the pickle, within pickle_length (and its checksum)."""
+    edit(path, raw_pickle=parts(path)[0] + b"more")
+    return {}
+
+
 def owners_file(path: Path) -> Path:
     """The data file of `plain` that the checkpoint `inc` at `path` references."""
     ((name, entry),) = [(n, e) for n, e in json.loads(parts(path)[1])["files"].items() if "owner" in e]
@@ -404,6 +416,14 @@ CASES = [
     Case("magic", "another magic", "CorruptCheckpointError", "not fp-dcp metadata", replace_magic),
     Case("magic", "the magic alone, 8 bytes", "CorruptCheckpointError", "not fp-dcp metadata", magic_alone),
     Case(
+        "magic",
+        "stock: bytes after the pickle",
+        "CorruptCheckpointError",
+        "not fp-dcp metadata",
+        stock_and_more,
+        "stock",
+    ),
+    Case(
         "footer-crc", "a flipped footer byte", "CorruptCheckpointError", "footer fails its checksum", flip_footer_byte
     ),
     Case("footer-json", "a key twice", "CorruptCheckpointError", "key 'format' given twice", edits(raw_footer=twice)),
@@ -584,6 +604,13 @@ CASES = [
         "pickle", "a class torch lacks", "IncompatibleCheckpointError", "fp_dcp_no_such_module.Metadata", missing_class
     ),
     Case("pickle", "truncated", "CorruptCheckpointError", "does not unpickle", edits(raw_pickle=pickle.dumps({})[:-1])),
+    Case(
+        "pickle",
+        "ending before pickle_length",
+        "CorruptCheckpointError",
+        "metadata pickle ends at byte",
+        pickle_and_more,
+    ),
     Case(
         "entry",
         "a quantized dtype",
