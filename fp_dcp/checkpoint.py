@@ -260,12 +260,22 @@ def decode_checked(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     The metadata's locations are ``ItemLocation`` tuples, whatever the format version.
     """
     metadata, footer = decode_metadata(data, where)
-    try:
-        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    stored = metadata.storage_data
+    if type(stored) is dict:  # (check_structure names anything else)
+        metadata.storage_data = {index: _location(index, value, where) for index, value in stored.items()}
     check_structure(metadata, where, footer["files"])
     return metadata, footer
+
+
+def _location(index: Any, value: Any, where: str) -> ItemLocation:
+    """The ``ItemLocation`` of an fp-dcp ``storage_data`` value; CorruptCheckpointError naming the item, if none."""
+    try:
+        return ItemLocation(*item_fields(value))
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        fqn = getattr(index, "fqn", index)
+        raise CorruptCheckpointError(
+            f"{where}: the location of {fqn!r} is malformed ({type(e).__name__}: {e})"
+        ) from None
 
 
 def saved_at(metadata: Metadata, where: str) -> str:

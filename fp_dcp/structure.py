@@ -11,13 +11,14 @@ would come out wrong or partial fails before a target is touched:
 - every tensor's chunks tile it (``fp_dcp.tiling``);
 - every chunk and object has a stored item in ``storage_data``.
 
-Of a stock one, every item location: a file name of one path component,
-an offset and a length that are non-negative ints (torch's reader takes
-them as they are). Of fp-dcp's own (given its footer's ``files``), every
-item location: a file the footer lists, an offset and length that are
-non-negative ints and lie within the file's size as written, a CRC-32C of
-32 bits (0 for no bytes, which no read would check), hashes of 32
-lowercase hex digits, and for a tensor chunk a length of its elements.
+Of a stock one, every item location: torch's ``_StorageInfo`` (no other
+class), a file name of one path component, an offset and a length that
+are non-negative ints (torch's reader takes them as they are). Of fp-dcp's
+own (given its footer's ``files``), every item location: a file the footer
+lists, an offset and length that are non-negative ints and lie within the
+file's size as written, a CRC-32C of 32 bits (0 for no bytes, which no read
+would check), hashes of 32 lowercase hex digits, and for a tensor chunk a
+length of its elements.
 
 Left to ``fp-dcp verify`` (they change no loaded value): items that
 overlap, items no entry describes, files that hold no item, and
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .compat import is_storage_info
 from .errors import CorruptCheckpointError
 from .format import ItemLocation, describe_item, is_file_name
 from .tiling import tiling_fault
@@ -155,7 +157,12 @@ def _check_location(index: MetadataIndex, location: ItemLocation, files: dict[st
 
 
 def _check_stock_location(index: MetadataIndex, location: Any, where: str) -> None:
-    """A torch ``FileSystemWriter`` item: a file ``relative_path`` of one path component, an offset and a length."""
+    """A torch ``FileSystemWriter`` item: a ``_StorageInfo`` whose ``relative_path`` is one path component, with
+    an offset and a length."""
+    if not is_storage_info(location):
+        raise CorruptCheckpointError(
+            f"{where}: {index.fqn!r} is stored at a {type(location).__name__}, not a _StorageInfo"
+        )
     file, offset, length = (getattr(location, key, None) for key in ("relative_path", "offset", "length"))
     if (
         not (type(file) is str and is_file_name(file) and type(offset) is int and type(length) is int)

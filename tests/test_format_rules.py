@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,11 @@ def one_dimension(md: Any) -> None:
     """w's chunk given one offset and one size (w has two dimensions)."""
     md.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))
     rekey(md, "w", [0, 0], [0])
+
+
+def look_alike(md: Any) -> None:
+    """w's location an object of another class with the same fields."""
+    md.storage_data[MetadataIndex("w", [0, 0])] = types.SimpleNamespace(**vars(location(md, "w", [0, 0])))
 
 
 def stock_set(fqn: str, offsets: list[int] | None, **values: Any) -> Arrange:
@@ -725,6 +731,21 @@ CASES = [
         "CorruptCheckpointError",
         "relative_path '__0_0\\ud800.distcp'",
         stock_set("w", [0, 0], relative_path="__0_0\ud800.distcp"),
+        "stock",
+    ),
+    Case(
+        "location",
+        "a look-alike of _StorageInfo",
+        "CorruptCheckpointError",
+        "the location of 'w' is malformed (TypeError: a SimpleNamespace, not a _StorageInfo",
+        on_metadata(look_alike),
+    ),
+    Case(
+        "location",
+        "stock: a look-alike of _StorageInfo",
+        "CorruptCheckpointError",
+        "'w' is stored at a SimpleNamespace, not a _StorageInfo",
+        on_stock(look_alike),
         "stock",
     ),
     Case(
