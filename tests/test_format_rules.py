@@ -9,6 +9,7 @@ and every error class a row names is raised by one of its cases.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -1176,15 +1177,30 @@ def test_a_metadata_that_is_no_regular_file_is_no_checkpoint(kind, tmp_path, mon
         verify_checkpoint("c")
 
 
-def test_a_data_file_that_is_a_directory_is_damage(templates, tmp_path):
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_data_file_that_is_no_regular_file_is_damage_and_not_waited_on(kind, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     name = data_file(tmp_path / "plain")
     name.unlink()
-    name.mkdir()
-    with pytest.raises(CheckpointException) as e:
-        dcp.load(target(), storage_reader=FastPersistReader(tmp_path / "plain"), no_dist=True)
-    assert isinstance(failure(e), errors.CorruptCheckpointError) and "not a regular file" in str(failure(e))
-    report = verify_checkpoint(tmp_path / "plain")
+    name.mkdir() if kind == "directory" else os.mkfifo(name)
+    outcome: list[Any] = []
+
+    def check() -> None:
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(target(), storage_reader=FastPersistReader(tmp_path / "plain"), no_dist=True)
+        outcome.extend([failure(e), verify_checkpoint(tmp_path / "plain")])
+
+    checks = threading.Thread(target=check, daemon=True)
+    checks.start()
+    checks.join(20)
+    waited = checks.is_alive()
+    while checks.is_alive():  # opened for reading, a FIFO waits for a writer: let each open go
+        with contextlib.suppress(OSError):
+            os.close(os.open(name, os.O_WRONLY | os.O_NONBLOCK))
+        checks.join(1)
+    assert not waited, "a load or verify waited on the FIFO"
+    error, report = outcome
+    assert isinstance(error, errors.CorruptCheckpointError) and "not a regular file" in str(error)
     assert any("not a regular file" in problem for problem in report.problems), report.problems
 
 
