@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import pickle
 import stat
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Literal
@@ -58,6 +57,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ._native import _cio
 from .compat import is_item_location, item_fields
 from .errors import (
+    CheckpointError,
     CorruptCheckpointError,
     DataDirectoryNotFoundError,
     IncompatibleCheckpointError,
@@ -73,6 +73,7 @@ from .format import (
     footer_span,
     is_file_name,
     is_fp_metadata,
+    unpickle_metadata,
 )
 from .safetensors_format import INDEX_NAME, SUFFIX
 from .structure import check_structure
@@ -175,12 +176,13 @@ def _open_regular(directory: str, name: str) -> BinaryIO:
 def _stock_metadata(data: bytes) -> Metadata | None:
     """The ``Metadata`` in torch FileSystemWriter ``.metadata`` bytes, else None.
 
+    The bytes are one pickle, nothing after it (torch writes nothing more).
     Its entries have a ``relative_path``, and none is an fp-dcp location (fp-dcp
     metadata whose trailer is damaged must not pass for a stock checkpoint).
     """
     try:
-        metadata = pickle.loads(data)
-    except Exception:  # any unpickling failure means: not a stock checkpoint's metadata
+        metadata = unpickle_metadata(data, METADATA_NAME)
+    except CheckpointError:  # whatever fails to unpickle, a missing class too: not a stock checkpoint's metadata
         return None
     if not isinstance(metadata, Metadata) or type(metadata.storage_data) is not dict:  # None: its __dict__ lacks it
         return None
@@ -258,12 +260,22 @@ def decode_checked(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
     The metadata's locations are ``ItemLocation`` tuples, whatever the format version.
     """
     metadata, footer = decode_metadata(data, where)
-    try:
-        metadata.storage_data = {index: ItemLocation(*item_fields(v)) for index, v in metadata.storage_data.items()}
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: an item location in the metadata is malformed ({e!r})") from None
+    stored = metadata.storage_data
+    if type(stored) is dict:  # (check_structure names anything else)
+        metadata.storage_data = {index: _location(index, value, where) for index, value in stored.items()}
     check_structure(metadata, where, footer["files"])
     return metadata, footer
+
+
+def _location(index: Any, value: Any, where: str) -> ItemLocation:
+    """The ``ItemLocation`` of an fp-dcp ``storage_data`` value; CorruptCheckpointError naming the item, if none."""
+    try:
+        return ItemLocation(*item_fields(value))
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        fqn = getattr(index, "fqn", index)
+        raise CorruptCheckpointError(
+            f"{where}: the location of {fqn!r} is malformed ({type(e).__name__}: {e})"
+        ) from None
 
 
 def saved_at(metadata: Metadata, where: str) -> str:

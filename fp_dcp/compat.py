@@ -132,6 +132,7 @@ __all__ = [
     "STOCK_READER_HINT",
     "item_location",
     "item_fields",
+    "is_storage_info",
     "is_item_location",
     "stock_plan_data",
     "plan_rank",
@@ -231,6 +232,12 @@ def item_location(
     return info
 
 
+def is_storage_info(value: Any) -> bool:
+    """Whether a ``storage_data`` value is torch's ``_StorageInfo`` itself (not a subclass, nor another class
+    with its fields: no writer makes one, and torch's reader needs more of it than the fields)."""
+    return type(value) is _StorageInfo
+
+
 def is_item_location(value: Any) -> bool:
     """Whether a ``storage_data`` value is fp-dcp's (format version 2), not a stock ``_StorageInfo``."""
     return "crc32c" in getattr(value, "__dict__", {})
@@ -239,11 +246,14 @@ def is_item_location(value: Any) -> bool:
 def item_fields(value: Any) -> tuple[str, int, int, int, str | None, str | None]:
     """(file, offset, length, crc32c, xxh3_128, xxh3_sample) of a ``storage_data`` value, any format version.
 
-    The hashes are None where the save stored none.
+    The hashes are None where the save stored none. TypeError for a value
+    neither a plain tuple (version 1) nor a ``_StorageInfo`` (``is_storage_info``).
     """
-    if isinstance(value, tuple):  # format version 1: a plain tuple
+    if type(value) is tuple:  # format version 1
         file, offset, length, crc32c = value
         return file, offset, length, crc32c, None, None
+    if not is_storage_info(value):
+        raise TypeError(f"a {type(value).__name__}, not a _StorageInfo (nor a version-1 tuple)")
     fields = value.__dict__
     hashes = fields.get("xxh3_128"), fields.get("xxh3_sample")
     return value.relative_path, value.offset, value.length, fields["crc32c"], *hashes

@@ -100,9 +100,25 @@ def sample_offsets(length: int) -> list[int]:
     return [i * last // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
 
 
-def is_file_name(name: str) -> bool:
-    """Whether ``name`` is one path component: not empty, ``.`` or ``..``, without ``/`` or NUL."""
-    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
+def is_path(text: Any) -> bool:
+    """Whether ``text`` can name a file: a non-empty ``str`` without NUL that encodes as a path.
+
+    Encodes as Python does on Linux: UTF-8, the lone surrogates U+DC80 to U+DCFF standing for the bytes of a
+    name that is no UTF-8 (``os.fsdecode`` makes them); any other lone surrogate names no file (opening it
+    raises ``UnicodeEncodeError``).
+    """
+    if type(text) is not str or not text or "\0" in text:
+        return False
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` is one path component: a path (``is_path``), not ``.`` or ``..``, without ``/``."""
+    return is_path(name) and name not in (".", "..") and "/" not in name
 
 
 def data_file_name(rank: int, index: int, token: str) -> str:
@@ -221,8 +237,10 @@ def decode_footer(tail: bytes, where: str) -> dict[str, Any]:
     _check_keys(footer, _FOOTER_KEYS, f"{where}: footer")
     _check_places(footer, f"{where}: footer")
     for name, entry in footer["files"].items():
+        if not is_file_name(name):  # before the name is in a message unquoted
+            raise CorruptCheckpointError(f"{where}: footer's files: {name!r} is not a file name (one path component)")
         _check_keys(entry, _ENTRY_KEYS, f"{where}: footer's entry for {name}")
-        _check_entry(name, entry, len(footer.get("data_dirs", [])), f"{where}: footer's entry for {name}")
+        _check_entry(entry, len(footer.get("data_dirs", [])), f"{where}: footer's entry for {name}")
     if footer["byteorder"] not in _BYTE_ORDERS:
         raise CorruptCheckpointError(f"{where}: footer gives byteorder {footer['byteorder']!r}, not 'little' or 'big'")
     if footer["byteorder"] != sys.byteorder:
@@ -289,7 +307,7 @@ def _check_places(footer: dict[str, Any], what: str) -> None:
     """``data_dirs``: non-empty strings; ``data_subdir``: one path component, given exactly with data_dirs."""
     data_dirs = footer.get("data_dirs", [])
     for directory in data_dirs:
-        if type(directory) is not str or not directory or "\0" in directory:
+        if not is_path(directory):
             raise CorruptCheckpointError(f"{what} lists {directory!r} in data_dirs, not a path")
     subdir = footer.get("data_subdir")
     if subdir is not None and not is_file_name(subdir):
@@ -298,17 +316,15 @@ def _check_places(footer: dict[str, Any], what: str) -> None:
         raise CorruptCheckpointError(f"{what} gives data_subdir {subdir!r} with data_dirs {data_dirs!r}")
 
 
-def _check_entry(name: str, entry: dict[str, Any], data_dirs: int, what: str) -> None:
-    """One data file's entry: its name, size, directory index, owner and subdirectory within their ranges."""
-    if not is_file_name(name):
-        raise CorruptCheckpointError(f"{what}: {name!r} is not a file name (one path component)")
+def _check_entry(entry: dict[str, Any], data_dirs: int, what: str) -> None:
+    """One data file's entry: its size, directory index, owner and subdirectory within their ranges."""
     if entry["size"] < 0 or entry["size"] % PAGE:
         raise CorruptCheckpointError(f"{what} gives size {entry['size']}, not a multiple of {PAGE} from 0")
     index = entry["dir"]
     if index is not None and not 0 <= index < data_dirs:
         raise CorruptCheckpointError(f"{what} gives dir {index}; the footer lists {data_dirs} data_dirs")
     owner = entry.get("owner")
-    if owner is not None and (not owner or owner.startswith("/") or "\0" in owner):
+    if owner is not None and (not is_path(owner) or owner.startswith("/")):
         raise CorruptCheckpointError(f"{what} gives owner {owner!r}, not a relative path")
     subdir = entry.get("data_subdir")
     if subdir is not None and not is_file_name(subdir):
@@ -339,8 +355,8 @@ def decode_metadata(data: bytes, where: str) -> tuple[Metadata, dict[str, Any]]:
 class _Unpickler(pickle.Unpickler):
     """Says which class a pickle names that this Python or torch lacks: not damage, another environment."""
 
-    def __init__(self, body: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(body))
+    def __init__(self, stream: io.BytesIO, where: str) -> None:
+        super().__init__(stream)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
@@ -353,24 +369,31 @@ class _Unpickler(pickle.Unpickler):
 
 
 def unpickle_metadata(body: bytes, where: str) -> Any:
-    """The object pickled in ``body`` (checksum already checked); a pickle that does not load is damage.
+    """The object pickled in ``body``, a pickle that ends where ``body`` does; anything else is damage.
 
-    The garbage collector is off meanwhile: unpickling makes objects only
-    (DCP's metadata holds no cycles), and collections triggered by every few
+    ``pickle.loads`` would ignore bytes after the pickle: no writer leaves
+    any, so they are damage that an accepted checkpoint would hide. The
+    garbage collector is off meanwhile: unpickling makes objects only (DCP's
+    metadata holds no cycles), and collections triggered by every few
     hundred of them made opening a checkpoint of many items several times
     slower (docs/benchmarks.md, "Figures behind design comments").
     """
+    stream = io.BytesIO(body)
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _Unpickler(body, where).load()
+        found = _Unpickler(stream, where).load()
     except IncompatibleCheckpointError:
         raise
-    except Exception as e:  # the bytes are as written (the checksum matched), yet no object
+    except Exception as e:  # fp-dcp's bytes are as written (the checksum matched), yet no object
         raise CorruptCheckpointError(f"{where}: metadata pickle does not unpickle ({type(e).__name__}: {e})") from None
     finally:
         if collecting:
             gc.enable()
+    end = stream.tell()
+    if end != len(body):
+        raise CorruptCheckpointError(f"{where}: metadata pickle ends at byte {end}, and {len(body) - end} bytes follow")
+    return found
 
 
 def is_fp_metadata(data: bytes) -> bool:

@@ -7,17 +7,18 @@ would come out wrong or partial fails before a target is touched:
 
 - every entry of ``state_dict_metadata`` is an object or a tensor whose
   dtype is a torch dtype (never a quantized one in fp-dcp's format), whose
-  size and chunks' offsets and sizes are non-negative ints;
+  size and chunks' offsets and sizes are tuples of non-negative ints;
 - every tensor's chunks tile it (``fp_dcp.tiling``);
 - every chunk and object has a stored item in ``storage_data``.
 
-Of a stock one, every item location: a file name of one path component,
-an offset and a length that are non-negative ints (torch's reader takes
-them as they are). Of fp-dcp's own (given its footer's ``files``), every
-item location: a file the footer lists, an offset and length that are
-non-negative ints and lie within the file's size as written, a CRC-32C of
-32 bits (0 for no bytes, which no read would check), hashes of 32
-lowercase hex digits, and for a tensor chunk a length of its elements.
+Of a stock one, every item location: torch's ``_StorageInfo`` (no other
+class), a file name of one path component, an offset and a length that
+are non-negative ints (torch's reader takes them as they are). Of fp-dcp's
+own (given its footer's ``files``), every item location: a file the footer
+lists, an offset and length that are non-negative ints and lie within the
+file's size as written, a CRC-32C of 32 bits (0 for no bytes, which no read
+would check), hashes of 32 lowercase hex digits, and for a tensor chunk a
+length of its elements.
 
 Left to ``fp-dcp verify`` (they change no loaded value): items that
 overlap, items no entry describes, files that hold no item, and
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .compat import is_storage_info
 from .errors import CorruptCheckpointError
 from .format import ItemLocation, describe_item, is_file_name
 from .tiling import tiling_fault
@@ -122,10 +124,13 @@ def _check_tensor(
 
 
 def _counts(values: Any) -> TypeGuard[Sequence[int]]:
-    """Whether ``values`` is a tuple (``torch.Size`` is one) or list of non-negative ints (bool is no int)."""
+    """Whether ``values`` is a tuple (``torch.Size`` is one) of non-negative ints (bool is no int).
+
+    Not a list: DCP's loader compares a stored size with the target's ``torch.Size``, which no list equals.
+    """
     if type(values) is torch.Size:  # its entries are ints
         return not values or min(values) >= 0
-    return isinstance(values, (tuple, list)) and all(type(v) is int and v >= 0 for v in values)
+    return isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)
 
 
 def _check_location(index: MetadataIndex, location: ItemLocation, files: dict[str, dict[str, Any]], where: str) -> None:
@@ -152,7 +157,12 @@ def _check_location(index: MetadataIndex, location: ItemLocation, files: dict[st
 
 
 def _check_stock_location(index: MetadataIndex, location: Any, where: str) -> None:
-    """A torch ``FileSystemWriter`` item: a file ``relative_path`` of one path component, an offset and a length."""
+    """A torch ``FileSystemWriter`` item: a ``_StorageInfo`` whose ``relative_path`` is one path component, with
+    an offset and a length."""
+    if not is_storage_info(location):
+        raise CorruptCheckpointError(
+            f"{where}: {index.fqn!r} is stored at a {type(location).__name__}, not a _StorageInfo"
+        )
     file, offset, length = (getattr(location, key, None) for key in ("relative_path", "offset", "length"))
     if (
         not (type(file) is str and is_file_name(file) and type(offset) is int and type(length) is int)

@@ -9,6 +9,7 @@ and every error class a row names is raised by one of its cases.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,8 +18,10 @@ import re
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +226,18 @@ def magic_alone(path: Path) -> dict[str, Any]:
     return {}
 
 
+def stock_and_more(path: Path) -> dict[str, Any]:
+    with open(path / ".metadata", "ab") as f:
+        f.write(b"more")
+    return {}
+
+
+def pickle_and_more(path: Path) -> dict[str, Any]:
+    """Bytes after the pickle, within pickle_length (and its checksum)."""
+    edit(path, raw_pickle=parts(path)[0] + b"more")
+    return {}
+
+
 def owners_file(path: Path) -> Path:
     """The data file of `plain` that the checkpoint `inc` at `path` references."""
     ((name, entry),) = [(n, e) for n, e in json.loads(parts(path)[1])["files"].items() if "owner" in e]
@@ -244,6 +259,11 @@ def one_dimension(md: Any) -> None:
     """w's chunk given one offset and one size (w has two dimensions)."""
     md.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(torch.Size([0]), torch.Size([32]))
     rekey(md, "w", [0, 0], [0])
+
+
+def look_alike(md: Any) -> None:
+    """w's location an object of another class with the same fields."""
+    md.storage_data[MetadataIndex("w", [0, 0])] = types.SimpleNamespace(**vars(location(md, "w", [0, 0])))
 
 
 def stock_set(fqn: str, offsets: list[int] | None, **values: Any) -> Arrange:
@@ -382,6 +402,20 @@ def dirty_padding(path: Path) -> dict[str, Any]:
     return {}
 
 
+def no_path_name(path: Path) -> dict[str, Any]:
+    """The data file named with a JSON-escaped lone surrogate in the footer and in every location."""
+    bad = "\ud800.distcp"
+
+    def rename(md: Any, footer: dict[str, Any]) -> None:
+        name, entry = only_file(footer)
+        footer["files"] = {name.replace(".distcp", bad): entry}
+        for info in md.storage_data.values():
+            info.relative_path = info.relative_path.replace(".distcp", bad)
+
+    edit(path, metadata=rename)
+    return {}
+
+
 def other_byteorder(footer: dict[str, Any]) -> None:
     footer["byteorder"] = "big" if sys.byteorder == "little" else "little"
 
@@ -389,6 +423,14 @@ def other_byteorder(footer: dict[str, Any]) -> None:
 CASES = [
     Case("magic", "another magic", "CorruptCheckpointError", "not fp-dcp metadata", replace_magic),
     Case("magic", "the magic alone, 8 bytes", "CorruptCheckpointError", "not fp-dcp metadata", magic_alone),
+    Case(
+        "magic",
+        "stock: bytes after the pickle",
+        "CorruptCheckpointError",
+        "not fp-dcp metadata",
+        stock_and_more,
+        "stock",
+    ),
     Case(
         "footer-crc", "a flipped footer byte", "CorruptCheckpointError", "footer fails its checksum", flip_footer_byte
     ),
@@ -518,6 +560,27 @@ CASES = [
         on_footer(lambda f: f["files"].update({"../x.distcp": f["files"].pop(only_file(f)[0])})),
     ),
     Case(
+        "file-entry",
+        "a name with a lone surrogate",
+        "CorruptCheckpointError",
+        "\\ud800.distcp' is not a file name",
+        no_path_name,
+    ),
+    Case(
+        "file-entry",
+        "an owner with a lone surrogate",
+        "CorruptCheckpointError",
+        "gives owner '..\\ud800', not a relative path",
+        on_entry(lambda e: e.update(owner="..\ud800")),
+    ),
+    Case(
+        "footer-keys",
+        "a data dir with a lone surrogate",
+        "CorruptCheckpointError",
+        "lists '/d\\ud800' in data_dirs, not a path",
+        on_footer(lambda f: f.update(data_dirs=["/d\ud800"], data_subdir="s")),
+    ),
+    Case(
         "byteorder",
         "middle",
         "CorruptCheckpointError",
@@ -550,6 +613,13 @@ CASES = [
     ),
     Case("pickle", "truncated", "CorruptCheckpointError", "does not unpickle", edits(raw_pickle=pickle.dumps({})[:-1])),
     Case(
+        "pickle",
+        "ending before pickle_length",
+        "CorruptCheckpointError",
+        "metadata pickle ends at byte",
+        pickle_and_more,
+    ),
+    Case(
         "entry",
         "a quantized dtype",
         "CorruptCheckpointError",
@@ -562,6 +632,28 @@ CASES = [
         "CorruptCheckpointError",
         "'w' has size",
         on_metadata(lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-8, 4]))),
+    ),
+    Case(
+        "entry",
+        "a size as a list",
+        "CorruptCheckpointError",
+        "'big' has size [20000] and chunks",
+        on_metadata(lambda md: setattr(md.state_dict_metadata["big"], "size", [20000])),
+    ),
+    Case(
+        "entry",
+        "stock: a size as a list",
+        "CorruptCheckpointError",
+        "'big' has size [20000] and chunks",
+        on_stock(lambda md: setattr(md.state_dict_metadata["big"], "size", [20000])),
+        "stock",
+    ),
+    Case(
+        "entry",
+        "a chunk's sizes as a list",
+        "CorruptCheckpointError",
+        "'w' has a chunk at torch.Size([0, 0]) of sizes [8, 4]",
+        on_metadata(lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", [8, 4])),
     ),
     Case(
         "entry",
@@ -633,6 +725,29 @@ CASES = [
         "CorruptCheckpointError",
         "relative_path '../__0_0.distcp'",
         stock_set("w", [0, 0], relative_path="../__0_0.distcp"),
+        "stock",
+    ),
+    Case(
+        "location",
+        "stock: a file with a lone surrogate",
+        "CorruptCheckpointError",
+        "relative_path '__0_0\\ud800.distcp'",
+        stock_set("w", [0, 0], relative_path="__0_0\ud800.distcp"),
+        "stock",
+    ),
+    Case(
+        "location",
+        "a look-alike of _StorageInfo",
+        "CorruptCheckpointError",
+        "the location of 'w' is malformed (TypeError: a SimpleNamespace, not a _StorageInfo",
+        on_metadata(look_alike),
+    ),
+    Case(
+        "location",
+        "stock: a look-alike of _StorageInfo",
+        "CorruptCheckpointError",
+        "'w' is stored at a SimpleNamespace, not a _StorageInfo",
+        on_stock(look_alike),
         "stock",
     ),
     Case(
@@ -877,6 +992,20 @@ def test_a_broken_rule_is_refused_as_the_table_says(case, templates, tmp_path):
             verify_checkpoint(path, kwargs.get("data_dirs"))
 
 
+def test_verify_prints_its_verdict_on_a_name_that_encodes_as_no_path(templates, tmp_path):
+    """The name is quoted in the problem: printed raw, a lone surrogate would raise on any stdout."""
+    shutil.copytree(templates / "plain", tmp_path / "plain")
+    no_path_name(tmp_path / "plain")
+    done = subprocess.run(
+        [sys.executable, "-m", "fp_dcp", "verify", str(tmp_path / "plain")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},  # strict, whatever the environment says
+    )
+    assert done.returncode == 1 and "BAD " in done.stdout, done
+    assert "\\ud800.distcp' is not a file name" in done.stdout
+
+
 @pytest.fixture
 def recipe(monkeypatch) -> dict[str, Any]:
     """The functions of docs/format.md's reading recipe."""
@@ -963,6 +1092,36 @@ def test_what_no_rule_covers_reads_as_written(template, change, templates, tmp_p
     assert report.ok, report.problems
 
 
+def plain_tuples(md: Any) -> None:
+    """Every size and offset of w and big, and their items' keys, a tuple that is no torch.Size."""
+    for fqn in ("w", "big"):
+        tensor = md.state_dict_metadata[fqn]
+        tensor.size = tuple(tensor.size)
+        for chunk in tensor.chunks:
+            chunk.offsets, chunk.sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            location = md.storage_data.pop(MetadataIndex(fqn, chunk.offsets))
+            key = MetadataIndex(fqn)
+            object.__setattr__(key, "offset", chunk.offsets)  # its __init__ would make a torch.Size of it
+            md.storage_data[key] = location
+
+
+@pytest.mark.parametrize("template", ["plain", "stock"])
+def test_sizes_and_offsets_as_plain_tuples_read_the_same(template, templates, tmp_path):
+    shutil.copytree(templates / template, tmp_path / template)
+    path = tmp_path / template
+    if template == "stock":
+        edit_stock(path, plain_tuples)
+    else:
+        edit(path, metadata=lambda md, footer: plain_tuples(md))
+    md = FastPersistReader(path).read_metadata()
+    assert type(md.state_dict_metadata["w"].chunks[0].sizes) is tuple
+    assert {type(key.offset) for key in md.storage_data if key.fqn == "w"} == {tuple}
+    into = target()
+    dcp.load(into, storage_reader=FastPersistReader(path), no_dist=True)
+    assert all(torch.equal(into[k], v) for k, v in state().items() if k != "o") and into["o"] == {"step": 3}
+    assert verify_checkpoint(path).ok
+
+
 def test_a_one_byte_float4_pair_is_stored_as_its_byte(tmp_path):
     if not hasattr(torch, "float4_e2m1fn_x2"):
         pytest.skip("this torch has no float4_e2m1fn_x2")
@@ -1019,15 +1178,30 @@ def test_a_metadata_that_is_no_regular_file_is_no_checkpoint(kind, tmp_path, mon
         verify_checkpoint("c")
 
 
-def test_a_data_file_that_is_a_directory_is_damage(templates, tmp_path):
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_data_file_that_is_no_regular_file_is_damage_and_not_waited_on(kind, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     name = data_file(tmp_path / "plain")
     name.unlink()
-    name.mkdir()
-    with pytest.raises(CheckpointException) as e:
-        dcp.load(target(), storage_reader=FastPersistReader(tmp_path / "plain"), no_dist=True)
-    assert isinstance(failure(e), errors.CorruptCheckpointError) and "not a regular file" in str(failure(e))
-    report = verify_checkpoint(tmp_path / "plain")
+    name.mkdir() if kind == "directory" else os.mkfifo(name)
+    outcome: list[Any] = []
+
+    def check() -> None:
+        with pytest.raises(CheckpointException) as e:
+            dcp.load(target(), storage_reader=FastPersistReader(tmp_path / "plain"), no_dist=True)
+        outcome.extend([failure(e), verify_checkpoint(tmp_path / "plain")])
+
+    checks = threading.Thread(target=check, daemon=True)
+    checks.start()
+    checks.join(20)
+    waited = checks.is_alive()
+    while checks.is_alive():  # opened for reading, a FIFO waits for a writer: let each open go
+        with contextlib.suppress(OSError):
+            os.close(os.open(name, os.O_WRONLY | os.O_NONBLOCK))
+        checks.join(1)
+    assert not waited, "a load or verify waited on the FIFO"
+    error, report = outcome
+    assert isinstance(error, errors.CorruptCheckpointError) and "not a regular file" in str(error)
     assert any("not a regular file" in problem for problem in report.problems), report.problems
 
 

@@ -123,7 +123,7 @@ def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = Fal
     flags |= os.O_CLOEXEC
     if direct is not False:
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            fd = _open(path, flags | os.O_DIRECT)
         except OSError as e:
             if e.errno != errno_mod.EINVAL:
                 raise
@@ -141,7 +141,18 @@ def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = Fal
                 raise OSError(errno_mod.EINVAL, "direct I/O is not in effect and direct_io=True", path)
             if align is None:
                 log_once(f"fp-dcp: direct I/O not in effect on {os.path.dirname(path) or '.'}; using the page cache")
-    return DataFile(path, os.open(path, flags, 0o644), False, 1)
+    return DataFile(path, _open(path, flags), False, 1)
+
+
+def _open(path: str, flags: int) -> int:
+    """``os.open``; for reading without blocking, so that a FIFO where a file should be does not wait for a
+    writer (the reader's ``fstat`` then finds no regular file), and blocking again once open (io_uring may
+    fail reads of a file left non-blocking with EAGAIN)."""
+    if flags & os.O_WRONLY:
+        return os.open(path, flags, 0o644)
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def probe_file(directory: str, direct: bool | None) -> DataFile:
