@@ -1,4 +1,4 @@
-"""Builds fp_dcp._native._cio from cio/cio.c, linked against each optional library whose headers are present.
+"""Builds fp_dcp._native._cio from cio/*.c, linked against each optional library whose headers are present.
 
 The libraries (liburing for the io_uring engine, ISA-L for the fastest CRC-32C,
 libxxhash for incremental saves' content hash), what each costs when absent
@@ -29,6 +29,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 KERNELS = ROOT / "cuda"
+NATIVE = ROOT / "cio"
 STARTUP_HOOK = "fp_dcp_default_storage.pth"
 
 
@@ -100,7 +101,8 @@ setup(
     ext_modules=[
         Extension(
             "fp_dcp._native._cio",
-            sources=["cio/cio.c"],
+            sources=sorted(f"cio/{source.name}" for source in NATIVE.glob("*.c")),
+            depends=sorted(f"cio/{header.name}" for header in NATIVE.glob("*.h")),
             define_macros=[(MACROS[library.name], "1") for library in LINKED],
             libraries=[library.link for library in LINKED],
             extra_compile_args=flags,

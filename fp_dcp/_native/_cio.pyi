@@ -1,4 +1,4 @@
-"""Type stubs for the C extension built from cio/cio.c."""
+"""Type stubs for the C extension built from cio/."""
 
 from collections.abc import Sequence
 from typing import Any
