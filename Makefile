@@ -91,7 +91,7 @@ ENGINE_TESTS := tests/test_cio.py tests/test_engine.py
 
 asan: build
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
-	cp -r setup.py pyproject.toml README.md cio fp_dcp tests $(ASAN_DIR)/
+	cp -r setup.py pyproject.toml README.md MANIFEST.in fp_dcp_default_storage.pth cio cuda fp_dcp tests $(ASAN_DIR)/
 	rm -rf $(ASAN_DIR)/fp_dcp/_native/*.so $(ASAN_DIR)/fp_dcp/__pycache__ $(ASAN_DIR)/tests/__pycache__
 	cd $(ASAN_DIR) && FP_DCP_WERROR=1 CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" LDFLAGS="-fsanitize=address" \
 	  $(CURDIR)/$(PY) setup.py -q build_ext --inplace

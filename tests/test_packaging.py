@@ -160,11 +160,14 @@ def test_the_wheel_runs_in_a_fresh_venv_without_the_system_libraries(repaired, t
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # Without PYTHONPATH: a checkout on it (its fp_dcp.egg-info) would pass for fp-dcp installed in the new venv.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(repaired)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=clean,
     )
     assert install.returncode == 0, install.stderr
     (site,) = venv.glob("lib/python*/site-packages")
