@@ -1,10 +1,18 @@
-"""Run a function on N spawned ranks with a gloo process group, with a deadline.
+"""Run a function on N rank processes with a gloo process group, with a deadline.
 
 Each test gets its own FileStore rendezvous (no TCP port to clash on), every
 rank's result or error comes back to the test, and a rank that hangs fails
 the test after ``timeout`` seconds instead of hanging CI, having first
 printed every thread's stack to the test's captured stderr (faulthandler),
 so that a hang seen once in CI says where it was.
+
+The ranks are new processes forked from a server that imported torch once
+(multiprocessing's forkserver): a rank starts in a fraction of the seconds a
+new interpreter takes to import torch, and still shares nothing with other
+tests' ranks. Each takes the test's environment as it is when the ranks
+start (the server's is the one it started with). ``fresh=True`` starts new
+interpreters instead, for what happens at interpreter start-up (``.pth``
+files).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -36,9 +45,50 @@ class RankError(Exception):
         self.message = message
 
 
+# What the server imports once, before any rank: the costly part of starting one. Not fp_dcp, which reads the
+# environment at import (FP_DCP_DEFAULT_STORAGE), and which each rank imports with the test's environment.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
+
+
+def _context(fresh: bool) -> Any:
+    if fresh:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _Inherited:
+    """One of the test's file descriptors, handed to a rank as it starts: a forked rank's stdout and stderr would
+    otherwise be the server's, never the test's, where pytest captures what a rank prints (a hung rank's stacks)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[[Any], int], tuple[Any]]:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate: Any) -> int:
+    return int(duplicate.detach())
+
+
 def _entry(
-    rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, results: Any, stacks_after: float | None
+    rank: int,
+    world: int,
+    store: str,
+    call: tuple[Callable[..., Any], tuple],
+    inherited: tuple[dict[str, str], int, int],
+    results: Any,
+    stacks_after: float | None,
 ) -> None:
+    environ, stdout, stderr = inherited
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    fn, args = call
     warnings.filterwarnings("ignore")
     if stacks_after is not None:
         faulthandler.dump_traceback_later(stacks_after)
@@ -66,13 +116,20 @@ class SpawnedRanks:
     ``stacks_after``: seconds after which a rank still running prints all its threads' stacks (once)."""
 
     def __init__(
-        self, world: int, fn: Callable[..., Any], args: tuple, store: str, stacks_after: float | None = None
+        self,
+        world: int,
+        fn: Callable[..., Any],
+        args: tuple,
+        store: str,
+        stacks_after: float | None = None,
+        fresh: bool = False,
     ) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(fresh)
         self.world = world
         self._results = ctx.Queue()
+        inherited = (dict(os.environ), _Inherited(1), _Inherited(2))
         self.procs = [
-            ctx.Process(target=_entry, args=(r, world, store, fn, args, self._results, stacks_after))
+            ctx.Process(target=_entry, args=(r, world, store, (fn, args), inherited, self._results, stacks_after))
             for r in range(world)
         ]
         for p in self.procs:
@@ -109,11 +166,11 @@ class SpawnedRanks:
 
 @contextlib.contextmanager
 def spawned_ranks(
-    world: int, fn: Callable[..., Any], *args: Any, stacks_after: float | None = None
+    world: int, fn: Callable[..., Any], *args: Any, stacks_after: float | None = None, fresh: bool = False
 ) -> Iterator[SpawnedRanks]:
     """``fn(rank, world, *args)`` started on ``world`` ranks; any still running when the block ends are killed."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"), stacks_after)
+        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"), stacks_after, fresh)
         try:
             yield ranks
         finally:
@@ -122,16 +179,18 @@ def spawned_ranks(
                     p.kill()
 
 
-def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[tuple[bool, Any]]:
+def run_ranks_outcomes(
+    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, fresh: bool = False
+) -> list[tuple[bool, Any]]:
     """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
     # The stacks come a little before the deadline: the ranks are then still there to print them.
-    with spawned_ranks(world, fn, *args, stacks_after=max(timeout - 10, 1)) as ranks:
+    with spawned_ranks(world, fn, *args, stacks_after=max(timeout - 10, 1), fresh=fresh) as ranks:
         return ranks.outcomes(timeout)
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, fresh: bool = False) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` ranks: their results in rank order; RankError if one failed."""
-    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout))
+    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout, fresh=fresh))
 
 
 def rank_results(outcomes: list[tuple[bool, Any]]) -> list[Any]:

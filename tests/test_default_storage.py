@@ -106,7 +106,7 @@ def _save_path_only(rank: int, world: int, root: str) -> tuple[bool, str]:
 def test_spawned_ranks_inherit_the_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("FP_DCP_DEFAULT_STORAGE", "1")
     root = str(tmp_path / "ckpt")
-    assert run_ranks(2, _save_path_only, root) == [(True, "FastPersistWriter")] * 2
+    assert run_ranks(2, _save_path_only, root, fresh=True) == [(True, "FastPersistWriter")] * 2
     assert kind(root) == "fp"
     back = {"r0": torch.zeros(8), "r1": torch.zeros(8), "shared": torch.zeros(4)}
     dcp.load(back, storage_reader=FastPersistReader(root))
