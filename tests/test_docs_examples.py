@@ -10,7 +10,8 @@ opening backticks), nothing else:
   its examples print. There is deliberately no way to print unseen: an
   example whose output cannot be pinned down asserts instead of printing.
 - ``output``: what the ``python`` block directly before it prints. An
-  ``output`` block anywhere else fails the test.
+  ``output`` block anywhere else fails the test. ``output exact``: the same,
+  and its numbers must match too (below).
 - ``console``: each line ``$ fp-dcp ARGS`` is run (in-process, through
   ``fp_dcp.tools.cli.main``) and what it prints, stdout and stderr together, must
   match the lines below it up to the next ``$``. ``# exit N`` at the end of
@@ -22,7 +23,10 @@ opening backticks), nothing else:
 
 Output matches the doc line by line, with numbers, hex digests and UUIDs
 ignored, as are differences in spacing; a line ``...`` matches any number of
-lines.
+lines. In an ``output exact`` block only UUIDs and words of 8 or 16 hex
+digits (a save's token in a file name, a data subdirectory's hash) are
+ignored: every other number must be what the block printed, so a figure
+such as a file's size is checked, not only the shape of the line.
 
 Each file runs in a fresh temporary directory, its working directory, which
 holds the checkpoints docs/format.md reads: ``step-100``, saved by one rank
@@ -80,6 +84,7 @@ from fp_dcp.tools import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RUN = {"python", "console"}
+OUTPUT = {"output", "output exact"}
 
 
 @dataclass(frozen=True)
@@ -119,17 +124,20 @@ def blocks(doc: Path) -> list[Block]:
     return found
 
 
-def normalise(line: str) -> str:
+def normalise(line: str, exact: bool = False) -> str:
     line = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uuid>", line)
-    line = re.sub(r"\b[0-9a-f]{8,}\b", "<hex>", line)
-    line = re.sub(r"\d+(\.\d+)?", "0", line)
+    if exact:  # a save's token, a data subdirectory's hash: new at every run
+        line = re.sub(r"\b([0-9a-f]{16}|[0-9a-f]{8})\b", "<hex>", line)
+    else:
+        line = re.sub(r"\b[0-9a-f]{8,}\b", "<hex>", line)
+        line = re.sub(r"\d+(\.\d+)?", "0", line)
     return " ".join(line.split())
 
 
-def matches(expected: list[str], actual: list[str]) -> bool:
-    """Whether ``actual`` fits ``expected``, where a ``...`` line stands for any lines."""
-    exp = [None if e.strip() == "..." else normalise(e) for e in expected]
-    act = [normalise(a) for a in actual]
+def matches(expected: list[str], actual: list[str], exact: bool = False) -> bool:
+    """Whether ``actual`` fits ``expected``, where a ``...`` line stands for any lines (``exact``: numbers too)."""
+    exp = [None if e.strip() == "..." else normalise(e, exact) for e in expected]
+    act = [normalise(a, exact) for a in actual]
     # can[i][j]: expected[i:] matches actual[j:]
     can = [[False] * (len(act) + 1) for _ in range(len(exp) + 1)]
     can[len(exp)][len(act)] = True
@@ -142,10 +150,10 @@ def matches(expected: list[str], actual: list[str]) -> bool:
     return can[0][0]
 
 
-def assert_prints(where: str, what: str, output: str, expected: list[str]) -> None:
+def assert_prints(where: str, what: str, output: str, expected: list[str], exact: bool = False) -> None:
     while expected and not expected[-1].strip():
         expected = expected[:-1]
-    assert matches(expected, output.rstrip("\n").splitlines()), (
+    assert matches(expected, output.rstrip("\n").splitlines(), exact), (
         f"{where}: {what} printed\n{output}\nwhich does not match the doc's\n" + "\n".join(expected)
     )
 
@@ -192,7 +200,7 @@ def run_python(block: Block, sandbox: Path, namespace: dict[str, Any], shown: Bl
             f"{block.where}: the block prints, so an ```output block must follow it with\n{out.getvalue()}"
         )
     else:
-        assert_prints(block.where, "the block", out.getvalue(), shown.text.splitlines())
+        assert_prints(block.where, "the block", out.getvalue(), shown.text.splitlines(), shown.info == "output exact")
 
 
 def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
@@ -200,7 +208,7 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
     ran = []
     found = blocks(doc)
     for i, block in enumerate(found):
-        if block.info == "output":
+        if block.info in OUTPUT:
             assert block.adjacent and i > 0 and found[i - 1].info == "python", (
                 f"{block.where}: an output block must directly follow a python block"
             )
@@ -208,7 +216,7 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
             continue
         if block.info == "python":
             after = found[i + 1] if i + 1 < len(found) else None
-            shown = after if after is not None and after.info == "output" and after.adjacent else None
+            shown = after if after is not None and after.info in OUTPUT and after.adjacent else None
             run_python(block, sandbox, namespace, shown)
             ran.append(f"{block.where} python" + (" + output" if shown else ""))
         else:
@@ -393,6 +401,10 @@ def test_matching_rules():
     assert not matches(["a"], ["a", "extra"])
     assert normalise("__0_0.3f9c0a1b2c4d5e6f.distcp") == normalise("__0_0.0123456789abcdef.distcp")
     assert normalise("model.w") != normalise("model.b")
+    assert matches(["size 45056"], ["size 126976"]) and not matches(["size 45056"], ["size 126976"], exact=True)
+    assert matches(["__0_0.3f9c0a1b2c4d5e6f.distcp 4096"], ["__0_0.0123456789abcdef.distcp 4096"], exact=True)
+    assert matches(["d0/step-2-5f1c2a9e", "0.0003"], ["d0/step-2-01234567", "0.0003"], exact=True)
+    assert not matches(["__0_0.3f9c0a1b2c4d5e6f.distcp"], ["__0_1.3f9c0a1b2c4d5e6f.distcp"], exact=True)
 
 
 @pytest.mark.parametrize(
@@ -402,13 +414,29 @@ def test_matching_rules():
         ("```python\nx = 1\n```\n```output\n```\n", None),
         ("```python\nprint('model.w')\n```\n```output\nmodel.b\n```\n", "which does not match the doc's"),
         ("```python\nprint('model.w')\n```\n```output\nmodel.w\nmodel.b\n```\n", "which does not match the doc's"),
+        ("```python\nprint('w: 4 items')\n```\n```output exact\nw: 4 items\n```\n", None),
+        ("```python\nprint('w: 3 items')\n```\n```output exact\nw: 4 items\n```\n", "which does not match the doc's"),
+        ("```python\nx = 1\n```\nIt prints\n```output exact\n```\n", "must directly follow a python block"),
         ("```python\nprint('model.w')\n```\n", "an ```output block must follow it"),
         ("```python\nprint('model.w')\n```\nIt prints\n```output\nmodel.w\n```\n", "an ```output block must follow"),
         ("```python\nx = 1\n```\nIt prints\n```output\n```\n", "must directly follow a python block"),
         ("```python notest\nprint(1)\n```\n```output\n1\n```\n", "must directly follow a python block"),
         ("```output\nmodel.w\n```\n", "must directly follow a python block"),
     ],
-    ids=["match", "silent", "differs", "missing-line", "no-output", "prose-between", "orphan", "notest", "first"],
+    ids=[
+        "match",
+        "silent",
+        "differs",
+        "missing-line",
+        "exact",
+        "exact-number-differs",
+        "exact-orphan",
+        "no-output",
+        "prose-between",
+        "orphan",
+        "notest",
+        "first",
+    ],
 )
 def test_output_blocks_are_checked(tmp_path, monkeypatch, text, error):
     monkeypatch.chdir(tmp_path)
