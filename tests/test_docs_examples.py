@@ -29,22 +29,26 @@ ignored: every other number must be what the block printed, so a figure
 such as a file's size is checked, not only the shape of the line.
 
 Each file runs in a fresh temporary directory, its working directory, which
-holds the checkpoints docs/format.md reads: ``step-100``, saved by one rank
-(with a nested key holding a dot, a 0-d and a 0-length tensor, and objects
-stored as bytes), and ``step-200``, saved by two ranks with data directories
-``disk0`` and ``disk1`` (in the working directory too), ``lanes_per_dir=2``
-and ``FastPersistSavePlanner``, which cuts one tensor into row chunks. The
-blocks see ``saved``: the state dicts the two were saved from, by name, to
-compare what they read with. The prefix ``/nvme/`` in python blocks (the
-docs' example mount point of a fast disk) is rewritten to that directory,
-and the modules ``crc32c`` and ``xxhash`` (the PyPI packages docs/format.md
-names) are fp-dcp's own CRC-32C and XXH3-128 if the packages are not
-installed: they compute the same functions.
+holds two checkpoints: ``step-100``, saved by one rank (with a nested key
+holding a dot, a 0-d and a 0-length tensor, and objects stored as bytes),
+and ``step-200``, saved by two ranks with data directories ``disk0`` and
+``disk1`` (in the working directory too), ``lanes_per_dir=2`` and
+``FastPersistSavePlanner``, which cuts one tensor into row chunks, in
+another directory and copied here (a moved tree). The blocks see
+``saved``: the state dicts the two were saved from, by name, to compare
+what they read with. The prefix ``/nvme/`` in python blocks (the docs'
+example mount point of a fast disk) is rewritten to that directory, and the
+modules ``crc32c`` and ``xxhash`` (the PyPI packages docs/format.md names)
+are fp-dcp's own CRC-32C and XXH3-128 if the packages are not installed:
+they compute the same functions.
 Run with ``-s`` to see which blocks ran.
 
-The rules docs/format.md gives for finding data files are checked against
-fp-dcp's own, case by case: its recipe must find the same files, or refuse
-the same checkpoints, as ``fp_dcp.checkpoint.open_checkpoint``.
+examples/read_checkpoint.py, a reader written from docs/format.md alone,
+finds data files by the rules docs/reading.md gives for checkpoints that
+moved; they are checked against fp-dcp's own, case by case: it must find
+the same files, or refuse the same checkpoints with the same verdict, as
+``fp_dcp.checkpoint.open_checkpoint``. (tests/test_reading_example.py
+checks what it reads.)
 
 The scripts in examples/ that a test here names run as a user runs them, in
 a process of their own; examples/durable_s3.py against a real S3 server
@@ -85,6 +89,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RUN = {"python", "console"}
 OUTPUT = {"output", "output exact"}
+EXAMPLE = ROOT / "examples" / "read_checkpoint.py"
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,16 @@ def stand_in_for_hash_packages(monkeypatch) -> None:
         monkeypatch.setitem(sys.modules, "xxhash", types.SimpleNamespace(xxh3_128_hexdigest=xxh3_128_hexdigest))
 
 
+def reading_example(monkeypatch) -> types.ModuleType:
+    """examples/read_checkpoint.py as a module (fp-dcp's own CRC-32C and XXH3-128 where the packages are missing)."""
+    stand_in_for_hash_packages(monkeypatch)
+    spec = importlib.util.spec_from_file_location("read_checkpoint", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch, two_rank_checkpoint) -> tuple[Path, dict[str, Any]]:
     """The docs' working directory, and the state dicts of the checkpoints in it."""
@@ -332,6 +347,8 @@ def arrange(case: str, tmp: Path) -> tuple[str, list[str] | None]:
         shutil.copytree(tmp / "moved" / "d0", tmp / "run" / "d0")  # the recorded place holds a whole copy, found later
         os.truncate(original, 10)
         return "moved/ck", None
+    if case == "given, one not there":
+        return "moved/ck", ["moved/d0", "moved/gone"]
     given = {"given": 2, "given, too few": 1, "given, more": 3, "given, none": 0}
     return "moved/ck", [f"moved/d{i}" for i in range(given[case])] if case in given else None
 
@@ -344,6 +361,7 @@ FINDING_CASES = [
     "given, too few",
     "given, more",
     "given, none",
+    "given, one not there",
     "gathered beside .metadata",
     "gathered under the subdirectory",
     "short copy first",
@@ -355,25 +373,30 @@ FINDING_CASES = [
 
 
 @pytest.mark.parametrize("case", FINDING_CASES)
-def test_format_page_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypatch):
+def test_reading_guide_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    stand_in_for_hash_packages(monkeypatch)
-    (recipe,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def data_file_paths" in b.text]
-    page: dict[str, Any] = {}
-    exec(recipe.text, page)
+    example = reading_example(monkeypatch)
     path, data_dirs = arrange(case, tmp_path)
+    # the example's verdicts, and the errors docs/reading.md says fp-dcp raises for them
+    errors = {
+        example.NotACheckpoint: "NotACheckpointError",
+        example.DataDirectoryNotFound: "DataDirectoryNotFoundError",
+        example.Damage: "CorruptCheckpointError",
+    }
 
     def found(where: Any) -> dict[str, str] | str:
         try:
             return {name: os.path.normpath(p) for name, p in where().items()}
-        except (AssertionError, CheckpointError) as e:
+        except example.Refused as e:
+            return f"refused: {errors[type(e)]}"
+        except CheckpointError as e:
             return f"refused: {type(e).__name__}"
 
-    footer, md = page["read_metadata"](path)
-    by_page = found(lambda: page["data_file_paths"](path, footer, md, data_dirs))
+    footer, md = example.read_metadata(path)
+    by_example = found(lambda: example.data_file_paths(path, footer, md, data_dirs))
     by_fp_dcp = found(lambda: open_checkpoint(path, data_dirs).files)
-    assert (by_page == by_fp_dcp) if isinstance(by_fp_dcp, dict) else isinstance(by_page, str), (by_page, by_fp_dcp)
-    refused = {"given, too few", "relative, nowhere"}
+    assert by_example == by_fp_dcp, (by_example, by_fp_dcp)
+    refused = {"given, too few", "given, one not there", "relative, nowhere"}
     assert isinstance(by_fp_dcp, str) == (case in refused), by_fp_dcp
 
 

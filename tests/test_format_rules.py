@@ -1007,26 +1007,22 @@ def test_verify_prints_its_verdict_on_a_name_that_encodes_as_no_path(templates, 
 
 
 @pytest.fixture
-def recipe(monkeypatch) -> dict[str, Any]:
-    """The functions of docs/format.md's reading recipe."""
-    from test_docs_examples import blocks, stand_in_for_hash_packages
+def recipe(monkeypatch) -> Any:
+    """examples/read_checkpoint.py, a reader written from docs/format.md alone."""
+    from test_docs_examples import reading_example
 
-    stand_in_for_hash_packages(monkeypatch)
-    (code,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def read_checkpoint" in b.text]
-    page: dict[str, Any] = {}
-    exec(code.text, page)
-    return page
+    return reading_example(monkeypatch)
 
 
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.check == "tiling" and c.template == "plain"], ids=lambda c: c.how
 )
-def test_the_pages_recipe_refuses_what_does_not_tile(case, recipe, templates, tmp_path):
+def test_the_pages_reader_refuses_what_does_not_tile(case, recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
-    assert recipe["read_checkpoint"](tmp_path / "plain")["w"].equal(state()["w"])
+    assert recipe.read_checkpoint(str(tmp_path / "plain"))["w"].equal(state()["w"])
     case.arrange(tmp_path / "plain")
-    with pytest.raises(AssertionError, match="the chunks of 'w' do not tile it"):
-        recipe["read_checkpoint"](tmp_path / "plain")
+    with pytest.raises(recipe.Damage, match="the chunks of 'w' do not tile it"):
+        recipe.read_checkpoint(str(tmp_path / "plain"))
 
 
 @pytest.mark.parametrize(
@@ -1040,19 +1036,19 @@ def test_the_pages_recipe_refuses_what_does_not_tile(case, recipe, templates, tm
     ],
     ids=["same-path", "through-a-value", "list-and-dict", "int-at-root", "negative"],
 )
-def test_the_pages_recipe_refuses_conflicting_paths(paths, recipe, templates, tmp_path):
+def test_the_pages_reader_refuses_conflicting_paths(paths, recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     edit(tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(paths))
-    with pytest.raises(AssertionError):
-        recipe["read_checkpoint"](tmp_path / "plain")
+    with pytest.raises(recipe.Damage):
+        recipe.read_checkpoint(str(tmp_path / "plain"))
 
 
-def test_the_pages_recipe_leaves_none_in_the_holes_of_a_list(recipe, templates, tmp_path):
+def test_the_pages_reader_leaves_none_in_the_holes_of_a_list(recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     edit(
         tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(w=("l", 2), **{"o.step": ("l", 0, "s")})
     )
-    state = recipe["read_checkpoint"](tmp_path / "plain")
+    state = recipe.read_checkpoint(str(tmp_path / "plain"))
     assert state["l"][0] == {"s": 3} and state["l"][1] is None and state["l"][2].equal(torch.arange(32.0).reshape(8, 4))
 
 
