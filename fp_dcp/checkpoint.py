@@ -389,7 +389,7 @@ def node_of(directory: str) -> str | None:
     try:
         with _open_regular(directory, NODE_MARKER) as f:
             return f.read().decode("utf-8", errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError, _NotRegularError):  # only a regular file marks a copy (format.md)
+    except (FileNotFoundError, NotADirectoryError, _NotRegularError):  # only a regular file marks a copy (runs.md)
         return None
 
 

@@ -10,7 +10,8 @@ opening backticks), nothing else:
   its examples print. There is deliberately no way to print unseen: an
   example whose output cannot be pinned down asserts instead of printing.
 - ``output``: what the ``python`` block directly before it prints. An
-  ``output`` block anywhere else fails the test.
+  ``output`` block anywhere else fails the test. ``output exact``: the same,
+  and its numbers must match too (below).
 - ``console``: each line ``$ fp-dcp ARGS`` is run (in-process, through
   ``fp_dcp.tools.cli.main``) and what it prints, stdout and stderr together, must
   match the lines below it up to the next ``$``. ``# exit N`` at the end of
@@ -22,25 +23,32 @@ opening backticks), nothing else:
 
 Output matches the doc line by line, with numbers, hex digests and UUIDs
 ignored, as are differences in spacing; a line ``...`` matches any number of
-lines.
+lines. In an ``output exact`` block only UUIDs and words of 8 or 16 hex
+digits (a save's token in a file name, a data subdirectory's hash) are
+ignored: every other number must be what the block printed, so a figure
+such as a file's size is checked, not only the shape of the line.
 
 Each file runs in a fresh temporary directory, its working directory, which
-holds the checkpoints docs/format.md reads: ``step-100``, saved by one rank
-(with a nested key holding a dot, a 0-d and a 0-length tensor, and objects
-stored as bytes), and ``step-200``, saved by two ranks with data directories
-``disk0`` and ``disk1`` (in the working directory too), ``lanes_per_dir=2``
-and ``FastPersistSavePlanner``, which cuts one tensor into row chunks. The
-blocks see ``saved``: the state dicts the two were saved from, by name, to
-compare what they read with. The prefix ``/nvme/`` in python blocks (the
-docs' example mount point of a fast disk) is rewritten to that directory,
-and the modules ``crc32c`` and ``xxhash`` (the PyPI packages docs/format.md
-names) are fp-dcp's own CRC-32C and XXH3-128 if the packages are not
-installed: they compute the same functions.
+holds two checkpoints: ``step-100``, saved by one rank (with a nested key
+holding a dot, a 0-d and a 0-length tensor, and objects stored as bytes),
+and ``step-200``, saved by two ranks with data directories ``disk0`` and
+``disk1`` (in the working directory too), ``lanes_per_dir=2`` and
+``FastPersistSavePlanner``, which cuts one tensor into row chunks, in
+another directory and copied here (a moved tree). The blocks see
+``saved``: the state dicts the two were saved from, by name, to compare
+what they read with. The prefix ``/nvme/`` in python blocks (the docs'
+example mount point of a fast disk) is rewritten to that directory, and the
+modules ``crc32c`` and ``xxhash`` (the PyPI packages docs/format.md names)
+are fp-dcp's own CRC-32C and XXH3-128 if the packages are not installed:
+they compute the same functions.
 Run with ``-s`` to see which blocks ran.
 
-The rules docs/format.md gives for finding data files are checked against
-fp-dcp's own, case by case: its recipe must find the same files, or refuse
-the same checkpoints, as ``fp_dcp.checkpoint.open_checkpoint``.
+examples/read_checkpoint.py, a reader written from docs/format.md alone,
+finds data files by the rules docs/reading.md gives for checkpoints that
+moved; they are checked against fp-dcp's own, case by case: it must find
+the same files, or refuse the same checkpoints with the same verdict, as
+``fp_dcp.checkpoint.open_checkpoint``. (tests/test_reading_example.py
+checks what it reads.)
 
 The scripts in examples/ that a test here names run as a user runs them, in
 a process of their own; examples/durable_s3.py against a real S3 server
@@ -80,6 +88,8 @@ from fp_dcp.tools import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RUN = {"python", "console"}
+OUTPUT = {"output", "output exact"}
+EXAMPLE = ROOT / "examples" / "read_checkpoint.py"
 
 
 @dataclass(frozen=True)
@@ -119,17 +129,20 @@ def blocks(doc: Path) -> list[Block]:
     return found
 
 
-def normalise(line: str) -> str:
+def normalise(line: str, exact: bool = False) -> str:
     line = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uuid>", line)
-    line = re.sub(r"\b[0-9a-f]{8,}\b", "<hex>", line)
-    line = re.sub(r"\d+(\.\d+)?", "0", line)
+    if exact:  # a save's token, a data subdirectory's hash: new at every run
+        line = re.sub(r"\b([0-9a-f]{16}|[0-9a-f]{8})\b", "<hex>", line)
+    else:
+        line = re.sub(r"\b[0-9a-f]{8,}\b", "<hex>", line)
+        line = re.sub(r"\d+(\.\d+)?", "0", line)
     return " ".join(line.split())
 
 
-def matches(expected: list[str], actual: list[str]) -> bool:
-    """Whether ``actual`` fits ``expected``, where a ``...`` line stands for any lines."""
-    exp = [None if e.strip() == "..." else normalise(e) for e in expected]
-    act = [normalise(a) for a in actual]
+def matches(expected: list[str], actual: list[str], exact: bool = False) -> bool:
+    """Whether ``actual`` fits ``expected``, where a ``...`` line stands for any lines (``exact``: numbers too)."""
+    exp = [None if e.strip() == "..." else normalise(e, exact) for e in expected]
+    act = [normalise(a, exact) for a in actual]
     # can[i][j]: expected[i:] matches actual[j:]
     can = [[False] * (len(act) + 1) for _ in range(len(exp) + 1)]
     can[len(exp)][len(act)] = True
@@ -142,10 +155,10 @@ def matches(expected: list[str], actual: list[str]) -> bool:
     return can[0][0]
 
 
-def assert_prints(where: str, what: str, output: str, expected: list[str]) -> None:
+def assert_prints(where: str, what: str, output: str, expected: list[str], exact: bool = False) -> None:
     while expected and not expected[-1].strip():
         expected = expected[:-1]
-    assert matches(expected, output.rstrip("\n").splitlines()), (
+    assert matches(expected, output.rstrip("\n").splitlines(), exact), (
         f"{where}: {what} printed\n{output}\nwhich does not match the doc's\n" + "\n".join(expected)
     )
 
@@ -192,7 +205,7 @@ def run_python(block: Block, sandbox: Path, namespace: dict[str, Any], shown: Bl
             f"{block.where}: the block prints, so an ```output block must follow it with\n{out.getvalue()}"
         )
     else:
-        assert_prints(block.where, "the block", out.getvalue(), shown.text.splitlines())
+        assert_prints(block.where, "the block", out.getvalue(), shown.text.splitlines(), shown.info == "output exact")
 
 
 def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
@@ -200,7 +213,7 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
     ran = []
     found = blocks(doc)
     for i, block in enumerate(found):
-        if block.info == "output":
+        if block.info in OUTPUT:
             assert block.adjacent and i > 0 and found[i - 1].info == "python", (
                 f"{block.where}: an output block must directly follow a python block"
             )
@@ -208,7 +221,7 @@ def run_doc(doc: Path, sandbox: Path, namespace: dict[str, Any]) -> list[str]:
             continue
         if block.info == "python":
             after = found[i + 1] if i + 1 < len(found) else None
-            shown = after if after is not None and after.info == "output" and after.adjacent else None
+            shown = after if after is not None and after.info in OUTPUT and after.adjacent else None
             run_python(block, sandbox, namespace, shown)
             ran.append(f"{block.where} python" + (" + output" if shown else ""))
         else:
@@ -255,6 +268,16 @@ def stand_in_for_hash_packages(monkeypatch) -> None:
         monkeypatch.setitem(sys.modules, "crc32c", types.SimpleNamespace(crc32c=_cio.crc32c))
     if importlib.util.find_spec("xxhash") is None:
         monkeypatch.setitem(sys.modules, "xxhash", types.SimpleNamespace(xxh3_128_hexdigest=xxh3_128_hexdigest))
+
+
+def reading_example(monkeypatch) -> types.ModuleType:
+    """examples/read_checkpoint.py as a module (fp-dcp's own CRC-32C and XXH3-128 where the packages are missing)."""
+    stand_in_for_hash_packages(monkeypatch)
+    spec = importlib.util.spec_from_file_location("read_checkpoint", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture
@@ -324,6 +347,8 @@ def arrange(case: str, tmp: Path) -> tuple[str, list[str] | None]:
         shutil.copytree(tmp / "moved" / "d0", tmp / "run" / "d0")  # the recorded place holds a whole copy, found later
         os.truncate(original, 10)
         return "moved/ck", None
+    if case == "given, one not there":
+        return "moved/ck", ["moved/d0", "moved/gone"]
     given = {"given": 2, "given, too few": 1, "given, more": 3, "given, none": 0}
     return "moved/ck", [f"moved/d{i}" for i in range(given[case])] if case in given else None
 
@@ -336,6 +361,7 @@ FINDING_CASES = [
     "given, too few",
     "given, more",
     "given, none",
+    "given, one not there",
     "gathered beside .metadata",
     "gathered under the subdirectory",
     "short copy first",
@@ -347,25 +373,30 @@ FINDING_CASES = [
 
 
 @pytest.mark.parametrize("case", FINDING_CASES)
-def test_format_page_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypatch):
+def test_reading_guide_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    stand_in_for_hash_packages(monkeypatch)
-    (recipe,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def data_file_paths" in b.text]
-    page: dict[str, Any] = {}
-    exec(recipe.text, page)
+    example = reading_example(monkeypatch)
     path, data_dirs = arrange(case, tmp_path)
+    # the example's verdicts, and the errors docs/reading.md says fp-dcp raises for them
+    errors = {
+        example.NotACheckpoint: "NotACheckpointError",
+        example.DataDirectoryNotFound: "DataDirectoryNotFoundError",
+        example.Damage: "CorruptCheckpointError",
+    }
 
     def found(where: Any) -> dict[str, str] | str:
         try:
             return {name: os.path.normpath(p) for name, p in where().items()}
-        except (AssertionError, CheckpointError) as e:
+        except example.Refused as e:
+            return f"refused: {errors[type(e)]}"
+        except CheckpointError as e:
             return f"refused: {type(e).__name__}"
 
-    footer, md = page["read_metadata"](path)
-    by_page = found(lambda: page["data_file_paths"](path, footer, md, data_dirs))
+    footer, md = example.read_metadata(path)
+    by_example = found(lambda: example.data_file_paths(path, footer, md, data_dirs))
     by_fp_dcp = found(lambda: open_checkpoint(path, data_dirs).files)
-    assert (by_page == by_fp_dcp) if isinstance(by_fp_dcp, dict) else isinstance(by_page, str), (by_page, by_fp_dcp)
-    refused = {"given, too few", "relative, nowhere"}
+    assert by_example == by_fp_dcp, (by_example, by_fp_dcp)
+    refused = {"given, too few", "given, one not there", "relative, nowhere"}
     assert isinstance(by_fp_dcp, str) == (case in refused), by_fp_dcp
 
 
@@ -393,6 +424,10 @@ def test_matching_rules():
     assert not matches(["a"], ["a", "extra"])
     assert normalise("__0_0.3f9c0a1b2c4d5e6f.distcp") == normalise("__0_0.0123456789abcdef.distcp")
     assert normalise("model.w") != normalise("model.b")
+    assert matches(["size 45056"], ["size 126976"]) and not matches(["size 45056"], ["size 126976"], exact=True)
+    assert matches(["__0_0.3f9c0a1b2c4d5e6f.distcp 4096"], ["__0_0.0123456789abcdef.distcp 4096"], exact=True)
+    assert matches(["d0/step-2-5f1c2a9e", "0.0003"], ["d0/step-2-01234567", "0.0003"], exact=True)
+    assert not matches(["__0_0.3f9c0a1b2c4d5e6f.distcp"], ["__0_1.3f9c0a1b2c4d5e6f.distcp"], exact=True)
 
 
 @pytest.mark.parametrize(
@@ -402,13 +437,29 @@ def test_matching_rules():
         ("```python\nx = 1\n```\n```output\n```\n", None),
         ("```python\nprint('model.w')\n```\n```output\nmodel.b\n```\n", "which does not match the doc's"),
         ("```python\nprint('model.w')\n```\n```output\nmodel.w\nmodel.b\n```\n", "which does not match the doc's"),
+        ("```python\nprint('w: 4 items')\n```\n```output exact\nw: 4 items\n```\n", None),
+        ("```python\nprint('w: 3 items')\n```\n```output exact\nw: 4 items\n```\n", "which does not match the doc's"),
+        ("```python\nx = 1\n```\nIt prints\n```output exact\n```\n", "must directly follow a python block"),
         ("```python\nprint('model.w')\n```\n", "an ```output block must follow it"),
         ("```python\nprint('model.w')\n```\nIt prints\n```output\nmodel.w\n```\n", "an ```output block must follow"),
         ("```python\nx = 1\n```\nIt prints\n```output\n```\n", "must directly follow a python block"),
         ("```python notest\nprint(1)\n```\n```output\n1\n```\n", "must directly follow a python block"),
         ("```output\nmodel.w\n```\n", "must directly follow a python block"),
     ],
-    ids=["match", "silent", "differs", "missing-line", "no-output", "prose-between", "orphan", "notest", "first"],
+    ids=[
+        "match",
+        "silent",
+        "differs",
+        "missing-line",
+        "exact",
+        "exact-number-differs",
+        "exact-orphan",
+        "no-output",
+        "prose-between",
+        "orphan",
+        "notest",
+        "first",
+    ],
 )
 def test_output_blocks_are_checked(tmp_path, monkeypatch, text, error):
     monkeypatch.chdir(tmp_path)

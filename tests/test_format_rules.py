@@ -1,10 +1,13 @@
-"""Every check in docs/format.md's table, broken on purpose: the loader and ``verify`` do what the table says.
+"""Every check in docs/format.md's table, broken on purpose: the loader and ``verify`` do what the tables say.
 
-The table is read from the page itself: each row names a check, when
-fp-dcp's loader makes it (``open``: before it reads or writes anything;
-``read``: as it reads) or that only ``verify`` does, and the error. Each
-row has at least one case here that breaks it, a hand-edited checkpoint,
-and every error class a row names is raised by one of its cases.
+The tables are read from the pages themselves: docs/format.md's names each
+check and its verdict (damage, incompatible), docs/reading.md's the same
+checks and two of fp-dcp's search for moved files, with when fp-dcp's
+loader makes each (``open``: before it reads or writes anything; ``read``:
+as it reads) or that only ``verify`` does, and the error. Each row has at
+least one case here that breaks it, a hand-edited checkpoint; every error
+class a row names is raised by one of its cases, and each is the one
+format.md's verdict names.
 """
 
 from __future__ import annotations
@@ -48,21 +51,39 @@ class Row:
     errors: frozenset[str]
 
 
-def table() -> dict[str, Row]:
-    text = (ROOT / "docs" / "format.md").read_text()
-    section = text[text.index("## The checks") : text.index("## Reading a checkpoint with nothing but this page")]
+def section_rows(doc: str, heading: str, columns: int) -> dict[str, list[str]]:
+    """The rows of the table under ``heading`` in docs/``doc``, by their first cell (a check's name)."""
+    text = (ROOT / "docs" / doc).read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
     rows = {}
-    for line in section.splitlines():
+    for line in text[start : end if end >= 0 else len(text)].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0].startswith("`"):
-            made_by = frozenset(c.strip() for c in cells[2].split(","))
-            rows[cells[0].strip("`")] = Row(
-                cells[0].strip("`"), made_by, frozenset(re.findall(r"`(\w+Error)`", cells[3]))
-            )
+        if len(cells) == columns and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1:]
     return rows
 
 
+def table() -> dict[str, Row]:
+    """docs/reading.md's table: each check, who makes it, the errors."""
+    rows = section_rows("reading.md", "## Which check raises what", 3)
+    return {
+        check: Row(check, frozenset(c.strip() for c in by.split(",")), frozenset(re.findall(r"`(\w+Error)`", error)))
+        for check, (by, error) in rows.items()
+    }
+
+
 TABLE = table()
+# docs/format.md's table: each check's verdict when broken
+VERDICTS = {check: cells[1] for check, cells in section_rows("format.md", "## The checks", 3).items()}
+# the errors fp-dcp raises for each verdict (docs/reading.md)
+ERRORS = {
+    "damage": "CorruptCheckpointError",
+    "incompatible": "IncompatibleCheckpointError",
+    "not a checkpoint": "NotACheckpointError",
+}
+# checks of fp-dcp's search for moved data files (docs/reading.md), not rules of the format
+SEARCH = {"data-dirs-given", "data-dir-found"}
 
 
 def state() -> dict[str, Any]:
@@ -959,6 +980,13 @@ def test_every_check_of_the_table_is_broken_by_a_case_raising_each_error_it_name
         assert {case.error for case in CASES if case.check == row.check} == row.errors, row
 
 
+def test_the_format_names_every_check_and_its_verdict_is_the_error_fp_dcp_raises():
+    assert set(VERDICTS) == set(TABLE) - SEARCH
+    for check, verdict in VERDICTS.items():
+        named = {error for words, error in ERRORS.items() if re.search(rf"\b{words}\b", verdict)}
+        assert named == TABLE[check].errors, (check, verdict, TABLE[check].errors)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_a_broken_rule_is_refused_as_the_table_says(case, templates, tmp_path):
     if case.check == "hashes" and not HASHING:
@@ -1007,26 +1035,22 @@ def test_verify_prints_its_verdict_on_a_name_that_encodes_as_no_path(templates, 
 
 
 @pytest.fixture
-def recipe(monkeypatch) -> dict[str, Any]:
-    """The functions of docs/format.md's reading recipe."""
-    from test_docs_examples import blocks, stand_in_for_hash_packages
+def recipe(monkeypatch) -> Any:
+    """examples/read_checkpoint.py, a reader written from docs/format.md alone."""
+    from test_docs_examples import reading_example
 
-    stand_in_for_hash_packages(monkeypatch)
-    (code,) = [b for b in blocks(ROOT / "docs" / "format.md") if "def read_checkpoint" in b.text]
-    page: dict[str, Any] = {}
-    exec(code.text, page)
-    return page
+    return reading_example(monkeypatch)
 
 
 @pytest.mark.parametrize(
     "case", [c for c in CASES if c.check == "tiling" and c.template == "plain"], ids=lambda c: c.how
 )
-def test_the_pages_recipe_refuses_what_does_not_tile(case, recipe, templates, tmp_path):
+def test_the_pages_reader_refuses_what_does_not_tile(case, recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
-    assert recipe["read_checkpoint"](tmp_path / "plain")["w"].equal(state()["w"])
+    assert recipe.read_checkpoint(str(tmp_path / "plain"))["w"].equal(state()["w"])
     case.arrange(tmp_path / "plain")
-    with pytest.raises(AssertionError, match="the chunks of 'w' do not tile it"):
-        recipe["read_checkpoint"](tmp_path / "plain")
+    with pytest.raises(recipe.Damage, match="the chunks of 'w' do not tile it"):
+        recipe.read_checkpoint(str(tmp_path / "plain"))
 
 
 @pytest.mark.parametrize(
@@ -1040,19 +1064,19 @@ def test_the_pages_recipe_refuses_what_does_not_tile(case, recipe, templates, tm
     ],
     ids=["same-path", "through-a-value", "list-and-dict", "int-at-root", "negative"],
 )
-def test_the_pages_recipe_refuses_conflicting_paths(paths, recipe, templates, tmp_path):
+def test_the_pages_reader_refuses_conflicting_paths(paths, recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     edit(tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(paths))
-    with pytest.raises(AssertionError):
-        recipe["read_checkpoint"](tmp_path / "plain")
+    with pytest.raises(recipe.Damage):
+        recipe.read_checkpoint(str(tmp_path / "plain"))
 
 
-def test_the_pages_recipe_leaves_none_in_the_holes_of_a_list(recipe, templates, tmp_path):
+def test_the_pages_reader_leaves_none_in_the_holes_of_a_list(recipe, templates, tmp_path):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     edit(
         tmp_path / "plain", metadata=lambda md, footer: md.planner_data.update(w=("l", 2), **{"o.step": ("l", 0, "s")})
     )
-    state = recipe["read_checkpoint"](tmp_path / "plain")
+    state = recipe.read_checkpoint(str(tmp_path / "plain"))
     assert state["l"][0] == {"s": 3} and state["l"][1] is None and state["l"][2].equal(torch.arange(32.0).reshape(8, 4))
 
 
@@ -1221,7 +1245,10 @@ def test_a_metadata_without_a_field_is_damage(field, template, templates, tmp_pa
 
 @pytest.mark.parametrize("owner", ["../step-1", "../plain", "../../x/step-1", "..", "../.."])
 def test_a_tier_takes_only_an_owner_that_is_a_step_of_its_root(owner, templates, tmp_path):
+    """Check tier-key of docs/runs.md's table: damage to the tiers."""
     from fp_dcp.tiers.layout import StepLayout, files_in_metadata
+
+    assert section_rows("runs.md", "## On disk: run directories and tiers", 3)["tier-key"][1].startswith("damage")
 
     shutil.copytree(templates / "plain", tmp_path / "root" / "step-1")
     shutil.copytree(templates / "inc", tmp_path / "root" / "step-2")

@@ -1,7 +1,7 @@
 """Check a whole checkpoint without loading it: ``verify_checkpoint``.
 
 A load checks what it reads; this checks everything, once, front to back
-(docs/format.md's table of checks lists each, and who makes it):
+(docs/format.md's table of checks lists each, docs/reading.md who makes it):
 
 - ``.metadata``: everything opening a checkpoint checks
   (``fp_dcp.checkpoint.open_checkpoint``: trailer, footer and pickle
