@@ -129,7 +129,7 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
     when told, every byte goes through the staging buffers; else large items are written in place."""
     from fp_dcp.io import buffers, device
 
-    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: caps)
+    monkeypatch.setattr(files, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads")
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
@@ -147,7 +147,7 @@ def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatc
 
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
     save(state, tmp_path / "ck")
-    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: caps)
+    monkeypatch.setattr(files, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
     target = co_aligned_targets(tmp_path / "ck", torch.zeros)  # touched: no huge pages for them (see below)
@@ -170,7 +170,7 @@ def test_untouched_targets_read_their_huge_page_blocks_in_place(tmp_path, monkey
 
     state = {f"t{i}": torch.randn(3 << 20) for i in range(2)}
     save(state, tmp_path / "ck")
-    monkeypatch.setattr(device, "scatter_caps_requests", lambda directory: True)
+    monkeypatch.setattr(files, "scatter_caps_requests", lambda directory: True)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: True)
     monkeypatch.setattr(prefault, "huge_pages_without_stalls", lambda: True)  # asked for whatever THP's defrag
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
