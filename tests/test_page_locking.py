@@ -132,18 +132,21 @@ def _cycle(i: int, root, state: dict, config: IOConfig, monkeypatch) -> None:
 
 
 def test_dropped_writers_leave_nothing_registered_and_no_error_behind(tmp_path, gpu, monkeypatch):
-    """100 writers dropped without close(), in one process: then nothing registered, nothing pending, CUDA healthy."""
+    """Writers dropped without close(), in one process, each way a program drops one several times: then nothing
+    registered, nothing pending, CUDA healthy. 100 on a real device; 24 through the double, where a registration
+    left behind by any of the six ways would already show 4 times over."""
     if gpu.double is not None:
         monkeypatch.setattr(fp_dcp.save.resources, "Staging", CpuAsDevice)  # also in copies and the manager
     g = torch.Generator(device=gpu.device).manual_seed(3)
     state = {"w": torch.randn(300, 1000, generator=g, device=gpu.device), "b": torch.randn(77, device=gpu.device)}
     state.update({f"s{i}": torch.full((i + 1,), float(i), device=gpu.device) for i in range(20)})
     config = SMALL_POOL if gpu.double is not None else IOConfig()  # the default pool where it is real
-    for i in range(100):
+    cycles = 100 if gpu.double is None else 24
+    for i in range(cycles):
         _cycle(i, tmp_path, state, config, monkeypatch)
         gc.collect()
     if gpu.double is not None:
-        assert gpu.double.registrations >= 100  # page-locking happened, through the double
+        assert gpu.double.registrations >= cycles  # page-locking happened, through the double
         assert len(gpu.double.registered) <= SMALL_POOL.num_buffers  # only the one set waiting for a pool
         fp_dcp.io.buffers.release_spares()
         assert gpu.double.problems() == []
