@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "NODE_ENV", "background_group", "node_name"]
+from ..compat import save_arguments
+from ..log import log_once
+
+__all__ = ["Group", "NODE_ENV", "SHARED_DEFAULT_GROUP", "background_group", "check_save_group", "node_name"]
 
 NODE_ENV = "FP_DCP_NODE"
 
@@ -95,3 +99,27 @@ def background_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGro
     group of all ranks made now (every rank calls this, in the same order); None where torch.distributed is not
     running (DCP then saves this process alone)."""
     return process_group if process_group is not None else Group.new().group
+
+
+SHARED_DEFAULT_GROUP = (
+    "fp-dcp: an asynchronous save runs DCP's collectives in DCP's thread on the default process group, which is "
+    "gloo: collectives the training loop runs on that group meanwhile (any data-parallel step's) interleave with "
+    "them, and every rank can hang. Give the saves a group of their own, made once on every rank: "
+    'dcp.async_save(..., process_group=dist.new_group(backend="gloo")); CheckpointManager and '
+    "OverlappedCheckpointer make one themselves"
+)
+
+
+def check_save_group() -> None:
+    """Say once where a save runs DCP's collectives off the main thread (``dcp.async_save``) on a gloo default group.
+
+    A save on the main thread (``dcp.save``), or on a group of its own, is left alone.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_backend() == "gloo"
+        and save_arguments() == {"process_group": None, "no_dist": False}
+    ):
+        log_once(SHARED_DEFAULT_GROUP)
