@@ -45,6 +45,12 @@ Private names (torch offers no public equivalent):
   per-rank safetensors files of a ``save_distributed`` save into whole
   tensors, as ``HuggingFaceStorageWriter(enable_consolidation=True)`` does;
   ``fp_dcp.save.safetensors`` runs it for the same option (torch 2.9 on).
+- ``save_arguments``: the group the DCP save that calls the writer runs
+  its collectives on (``process_group``; None: the default group) and
+  whether it runs any (``no_dist``), read from the arguments of
+  ``state_dict_saver._save_state_dict`` up the calling thread's stack: DCP
+  hands a storage writer its rank, never its group. Where no such frame is
+  found it says None, and the writer warns about nothing.
 - ``dtensor_with_local``: a DTensor rebuilt around a host copy of its local
   shard through ``DTensor(local, spec)``, as torch's state-dict utilities do
   (``DTensor.from_local`` would move the shard back to the mesh's device).
@@ -92,6 +98,9 @@ Protocol details (public API, but behaviour fp-dcp depends on):
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -103,6 +112,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.storage import StorageReader
 
 __all__ = [
@@ -127,6 +137,7 @@ __all__ = [
     "dtensor_with_local",
     "dcp_metadata_version",
     "process_group_store",
+    "save_arguments",
     "FILESYSTEM_WRITER_OPTIONS",
     "default_storage",
     "STOCK_READER_HINT",
@@ -337,3 +348,16 @@ def process_group_store(group: ProcessGroup | None) -> Store:
     return distributed_c10d._get_process_group_store(
         group if group is not None else distributed_c10d._get_default_group()
     )
+
+
+_SAVE_STATE_DICT = inspect.unwrap(_save_state_dict).__code__
+
+
+def save_arguments() -> dict[str, Any] | None:
+    """``process_group`` and ``no_dist`` of the DCP save running on this thread; None outside one."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _SAVE_STATE_DICT:
+            return {name: frame.f_locals[name] for name in ("process_group", "no_dist")}
+        frame = frame.f_back
+    return None

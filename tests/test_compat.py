@@ -112,6 +112,20 @@ def test_the_writer_is_not_an_async_stager_by_isinstance(tmp_path):
     assert callable(writer.stage) and callable(writer.synchronize_staging)  # usable as async_stager= all the same
 
 
+def test_the_writer_reads_the_group_of_the_save_that_calls_it(tmp_path):
+    seen = []
+
+    class Recording(FastPersistWriter):
+        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+            seen.append(compat.save_arguments())
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    with Recording(tmp_path) as writer:
+        dcp.save({"w": torch.ones(2)}, storage_writer=writer)  # one process: DCP runs no collective
+    assert seen == [{"process_group": None, "no_dist": True}]
+    assert compat.save_arguments() is None  # outside a save
+
+
 def test_dcp_retries_read_metadata_only_for_a_parameter_named_kwargs():
     retries = f'"{compat.READ_METADATA_KWARGS}"' in inspect.getsource(state_dict_loader)
     assert retries == (compat.TORCH >= (2, 9))  # before 2.9 DCP retries nothing: the first error is reported too

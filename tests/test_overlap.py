@@ -114,14 +114,14 @@ def _ddp_training(rank: int, world: int, root: str, mode: str) -> dict:
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))
     model = DistributedDataParallel(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    # Training's gradients are all-reduced over the default gloo group; DCP's collectives get their own.
-    group = dist.new_group(backend="gloo")
+    # Training's gradients are all-reduced over the default gloo group; without a process_group the
+    # checkpointer gives DCP's collectives a group of their own
     ckpt = OverlappedCheckpointer(
         FastPersistWriter(root, mode=mode),
         checkpoint_id=lambda step: os.path.join(root, f"step-{step}"),
         planner=FastPersistSavePlanner(),
-        process_group=group,
     )
+    assert ckpt.process_group is not None and ckpt.process_group != dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
         model(torch.randn(16, 32, generator=g)).square().mean().backward()

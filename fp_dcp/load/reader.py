@@ -64,8 +64,7 @@ def _sharing_group(process_group: dist.ProcessGroup | None) -> Group:
     """A gloo group of the ranks of ``process_group``, made by all of them at their first load that exchanges."""
     key = id(process_group)
     if key not in _GROUPS:
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        _GROUPS[key] = Group(dist.new_group(ranks=ranks, backend="gloo"))
+        _GROUPS[key] = Group.new(process_group)
     return _GROUPS[key]
 
 

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
 from ..io import files
+from ..net.group import check_save_group
 from ..units import PAGE, align_up
 from . import commit
 from .checkpoint_path import checkpoint_directory
@@ -250,6 +251,7 @@ class FastPersistWriter(StorageWriter):
         self._token = secrets.token_hex(8)  # new file names: the replaced checkpoint stays intact
         if not kwargs.get("use_collectives", True):
             raise ValueError("FastPersistWriter needs use_collectives=True: one coordinator publishes the checkpoint")
+        check_save_group()  # DCP calls this on the thread that runs the save's collectives
         self.rank = kwargs.get("rank")  # None from torch 2.7 (no rank passed): write_data takes the plan's
         self.is_coordinator = is_coordinator
         self._path = checkpoint_directory(self.path)

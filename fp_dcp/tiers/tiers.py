@@ -67,10 +67,10 @@ class Tiers:
         self.store = open_store(durable) if durable is not None else None
         self.every = durable_every_n_steps
         self.keep_durable = keep_durable
-        # the groups are made on every rank, in this order, whether or not this rank uses them
-        self.replication = Transport(Group.new()) if replicas > 1 else None
-        self.drainage = Group.new() if self.store is not None else None
-        self.restoring = Transport(Group.new())
+        # the groups are made on every rank of the manager's group, in this order, whether or not this rank uses them
+        self.replication = Transport(Group.new(process_group)) if replicas > 1 else None
+        self.drainage = Group.new(process_group) if self.store is not None else None
+        self.restoring = Transport(Group.new(process_group))
         self._replicator = Worker("replication") if self.replication is not None else None
         self._drainer = Worker("drain") if self.drainage is not None else None
         self._since_drain: int | None = None  # published steps since the last drain (None: none drained yet)

@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from ..config import IOConfig
 from ..errors import CheckpointBusyError, DurableStorageError
 from ..gpu.stager import Mode
-from ..net.group import Group
+from ..net.group import Group, background_group
 from ..save.commit import SaveLock
 from ..save.placement import data_directories
 from ..save.spare import SPARE_NAME, worth_reusing
@@ -112,8 +112,14 @@ class CheckpointManager:
             root then holds one step more than retention keeps: as much as
             during a save. Default True; nothing changes where data files
             get O_DIRECT to a device.
-        process_group: the group DCP's collectives use; with training on gloo
-            too, give checkpoints their own (see ``fp_dcp.training.overlap``).
+        process_group: the group the manager's collectives use: DCP's, the
+            ranks' agreement on steps, the preemption store. Default: with
+            ``asynchronous``, a gloo group of all ranks made here, so that
+            the saves' collectives in DCP's thread never meet training's
+            (every rank makes the manager, in the same order); without, the
+            default group. A group passed is used as it is (a subgroup: its
+            ranks alone make the manager, and the tiers' groups are made
+            over them).
         replicas: how many nodes hold each rank's files (default 1: only its
             own). With 2 or more, after each step is published its files are
             copied, in the background, to ranks on ``replicas - 1`` other
@@ -185,14 +191,20 @@ class CheckpointManager:
         self.retention = Retention(keep_last, keep_every, keep)
         self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
         self.asynchronous, self.verify, self.incremental = asynchronous, verify, incremental
-        self.process_group = process_group
-        self._group = Group(process_group)
+        self.process_group = background_group(process_group) if asynchronous else process_group
+        self._group = Group(self.process_group)
         self.writer = FastPersistWriter(data_dirs=data_dirs, config=config, mode=mode, incremental=incremental)
         self.data_dirs = data_dirs
         self.config = config
         self.reuse_files = reuse_files
-        self._overlap = OverlappedCheckpointer(
-            self.writer, checkpoint_id=lambda step: step_directory(self.root, step), process_group=process_group
+        self._overlap = (
+            OverlappedCheckpointer(
+                self.writer,
+                checkpoint_id=lambda step: step_directory(self.root, step),
+                process_group=self.process_group,
+            )
+            if asynchronous
+            else None
         )
         self._published = 0  # of the overlapped saves started
         self._last_save_time: float | None = None
@@ -215,7 +227,7 @@ class CheckpointManager:
                 durable=durable,
                 durable_every_n_steps=durable_every_n_steps,
                 keep_durable=keep_durable,
-                process_group=process_group,
+                process_group=self.process_group,
             )
             if tiered
             else None
@@ -239,9 +251,9 @@ class CheckpointManager:
         if save_on_preemption:
             try:
                 name = self._agree(uuid.uuid4().hex)  # the same on every rank: this manager's keys in the store
-                self._preemption = Preemption(preemption_signals, process_group, name, preemption_deadline)
+                self._preemption = Preemption(preemption_signals, self.process_group, name, preemption_deadline)
             except BaseException:
-                self.close()
+                self._release()
                 raise
         self._group.barrier()
 
@@ -294,13 +306,14 @@ class CheckpointManager:
             dcp.save(state, checkpoint_id=path, storage_writer=self.writer, process_group=self.process_group)
             self._published_step(step, drain=drain)
             return
+        assert self._overlap is not None
         self._saving = step
         self._overlap.after_update(step, state)
         self._overlap.before_update()  # the state may change now (snapshot: copied; streaming: written)
 
     def wait(self) -> None:
         """Block until the last save is published, then prune; raises that save's error."""
-        if self._overlap.saves > self._published:
+        if self._overlap is not None and self._overlap.saves > self._published:
             self._published = self._overlap.saves
             self._overlap.wait()
             assert self._saving is not None
@@ -336,7 +349,11 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait for the last save and its copies, prune, and release the writer, the spare, the root's lock and the
-        signals."""
+        signals; returns once every rank has, so that each then finds the root as retention left it."""
+        self._release()
+        self._group.barrier()
+
+    def _release(self) -> None:
         try:
             self.wait_for_copies()
         finally:
@@ -355,8 +372,11 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._release()  # this rank failed: the others may never come to close()
 
     # --------------------------------------------------------------- restoring
 
@@ -366,7 +386,9 @@ class CheckpointManager:
         A step that is incomplete, fails its checks (see ``verify``) or fails
         to load is skipped with a warning naming why, and the next older one
         is tried. Loads reshard to the current world size as ``dcp.load`` does.
+        A save in flight is published first (its collectives and the load's share a group).
         """
+        self.wait()
         resume = Resume(self.root, self._group, self.tiers, self.verify, self.data_dirs, self.config)
         step = resume.load(state)
         if step is not None:

@@ -22,11 +22,12 @@ With ``mode="streaming"`` the save's writes end before the next update, as in
 FastPersist, and host memory stays at the writer's staging buffers; with
 ``mode="snapshot"`` only the copy into host memory must end by then, and the
 write may go on for several steps (a new save waits for the previous one).
-Distributed: ``dcp.async_save`` needs a process group with a CPU backend
-(``init_process_group("cpu:gloo,cuda:nccl")``); when training itself runs
-collectives on gloo, give the checkpointer its own group
-(``process_group=dist.new_group(backend="gloo")``), so that the save thread's
-collectives never interleave with the training thread's.
+Distributed: the saves' collectives run in DCP's thread while training runs
+its own, so they get a group of their own: without ``process_group`` the
+checkpointer makes a gloo group of all ranks when it is constructed (every
+rank constructs it, in the same order), whatever the training backend. On
+one group, the save thread's collectives and training's would interleave,
+and on gloo every rank then hangs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..compat import ASYNC_STAGING, has
 from ..log import log_once
+from ..net.group import background_group
 from ..save.writer import FastPersistWriter
 
 __all__ = ["OverlappedCheckpointer"]
@@ -61,7 +63,12 @@ class OverlappedCheckpointer:
             writer's path, overwritten each time (the previous checkpoint stays
             loadable until the new one is published).
         planner: DCP save planner (e.g. ``FastPersistSavePlanner()``).
-        process_group: the group DCP's collectives use (see the module doc).
+        process_group: the group DCP's collectives use. Default: a gloo group
+            of all ranks made here, apart from those training uses (see the
+            module doc); none where torch.distributed is not initialised. A
+            group passed is used as it is: the default group
+            (``dist.group.WORLD``) only where training runs no collectives
+            on it while a save is in flight.
 
     ``blocked_seconds`` adds up the time the training loop spent in this
     helper (starting saves, waiting for them); ``saves`` counts saves started.
@@ -83,7 +90,7 @@ class OverlappedCheckpointer:
         self.every = every
         self.checkpoint_id = checkpoint_id
         self.planner = planner
-        self.process_group = process_group
+        self.process_group = background_group(process_group)
         self.blocked_seconds = 0.0
         self.saves = 0
         self._staging: Future[None] | None = None  # pending until the parameters may change

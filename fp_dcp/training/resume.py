@@ -67,7 +67,9 @@ class Resume:
             dcp.load(
                 state,
                 checkpoint_id=step_directory(self.root, step),
-                storage_reader=FastPersistReader(data_dirs=self.data_dirs, config=self.config),
+                storage_reader=FastPersistReader(
+                    data_dirs=self.data_dirs, config=self.config, process_group=self.group.group
+                ),
                 process_group=self.group.group,
             )
         except (CheckpointException, CheckpointError) as e:
