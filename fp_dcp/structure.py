@@ -45,12 +45,11 @@ from torch.distributed.checkpoint.metadata import (
 from .compat import is_storage_info
 from .errors import CorruptCheckpointError
 from .format import ItemLocation, describe_item, is_file_name
+from .tensors import QUANTIZED
 from .tiling import tiling_fault
 
-__all__ = ["check_structure", "nesting_fault", "QUANTIZED"]
+__all__ = ["check_structure", "nesting_fault"]
 
-# Not in fp-dcp's format: a quantized tensor's value needs its quantizer, which DCP's metadata cannot hold.
-QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _CRC_LIMIT = 1 << 32
 

@@ -21,7 +21,10 @@ from .errors import UnsupportedTensorError
 if TYPE_CHECKING:
     from .io.checksum import Checksummer
 
-__all__ = ["check_storable", "plain_layout", "byte_view", "ByteSource", "ByteSink"]
+__all__ = ["QUANTIZED", "check_storable", "plain_layout", "byte_view", "ByteSource", "ByteSink"]
+
+# Not in fp-dcp's format: a quantized tensor's value needs its quantizer, which DCP's metadata cannot hold.
+QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
 def check_storable(tensor: torch.Tensor, fqn: str) -> None:
@@ -31,7 +34,7 @@ def check_storable(tensor: torch.Tensor, fqn: str) -> None:
         problem = "it is a nested tensor: save its unbind() components instead"
     elif tensor.layout != torch.strided:
         problem = f"it has layout {tensor.layout}: convert it with .to_dense() first"
-    elif tensor.is_quantized:
+    elif tensor.dtype in QUANTIZED:  # a quantized tensor, or plain bytes viewed as one (is_quantized says False)
         problem = f"it is a quantized tensor ({tensor.dtype}): save its int_repr(), scale and zero point instead"
     elif tensor.device.type == "meta":
         problem = "it is a meta tensor, which holds no data: materialize it (e.g. to_empty() and initialize) first"

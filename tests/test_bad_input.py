@@ -106,8 +106,9 @@ def test_overwrite_false_refuses_before_writing(ckpt):
         (lambda: torch.eye(3).to_sparse_csr(), "to_dense"),
         (lambda: torch.empty(3, device="meta"), "meta tensor"),
         (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.zeros(4, dtype=torch.uint8).view(torch.quint8), "quantized"),  # not is_quantized
     ],
-    ids=["sparse_coo", "sparse_csr", "meta", "quantized"],
+    ids=["sparse_coo", "sparse_csr", "meta", "quantized", "bytes-viewed-as-quantized"],
 )
 def test_unsupported_tensor_kinds_are_named(ckpt, make, words):
     with pytest.raises(CheckpointException) as e:
