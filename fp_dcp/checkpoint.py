@@ -46,9 +46,7 @@ the entry's own ``data_subdir``.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-import stat
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Literal
 
@@ -75,6 +73,7 @@ from .format import (
     is_fp_metadata,
     unpickle_metadata,
 )
+from .io.files import NotRegularFileError, open_regular
 from .safetensors_format import INDEX_NAME, SUFFIX
 from .structure import check_structure
 
@@ -141,36 +140,13 @@ def read_metadata_bytes(directory: str) -> tuple[str, bytes]:
 def _open_metadata(directory: str) -> BinaryIO:
     """``directory``'s ``.metadata``, open for reading; NotACheckpointError unless it is a regular file."""
     try:
-        return _open_regular(directory, METADATA_NAME)
+        return open_regular(os.path.join(directory, METADATA_NAME))
     except FileNotFoundError:
         raise NotACheckpointError(
             f"{directory} holds no checkpoint: {METADATA_NAME} is missing (wrong path, or a save that never completed)"
         ) from None
-    except _NotRegularError as e:
-        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is {e}") from None
-
-
-class _NotRegularError(Exception):
-    """A file of a checkpoint is something else; the message says what ("a socket", "a directory", ...)."""
-
-
-def _open_regular(directory: str, name: str) -> BinaryIO:
-    """``directory``'s file ``name``, open for reading; _NotRegularError unless it is a regular file.
-
-    Opened without blocking, so that a FIFO there does not wait for a writer (or a device stream forever).
-    """
-    try:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno != errno.ENXIO:  # ENXIO: a socket
-            raise
-        raise _NotRegularError("a socket") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _NotRegularError("a directory" if stat.S_ISDIR(mode) else "not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    except NotRegularFileError as e:
+        raise NotACheckpointError(f"{directory} holds no checkpoint: its {METADATA_NAME} is {e.strerror}") from None
 
 
 def _stock_metadata(data: bytes) -> Metadata | None:
@@ -387,9 +363,9 @@ def node_of(directory: str) -> str | None:
     other nodes' roots or the durable root, and the copy is partial, not damaged.
     """
     try:
-        with _open_regular(directory, NODE_MARKER) as f:
+        with open_regular(os.path.join(directory, NODE_MARKER)) as f:
             return f.read().decode("utf-8", errors="replace").strip()
-    except (FileNotFoundError, NotADirectoryError, _NotRegularError):  # only a regular file marks a copy (runs.md)
+    except (FileNotFoundError, NotADirectoryError, NotRegularFileError):  # only a regular file marks a copy (runs.md)
         return None
 
 

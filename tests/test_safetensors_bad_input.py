@@ -18,6 +18,7 @@ from conftest import failure
 from hf_util import INDEX, llama_state, raw_file, safetensors_torch, write_model
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+import fp_dcp
 from fp_dcp import FastPersistReader
 from fp_dcp.errors import CorruptCheckpointError, IncompatibleCheckpointError
 
@@ -142,6 +143,20 @@ def test_a_shard_the_index_names_that_is_missing(tmp_path):
     missing = re.escape(f"{shard} is missing (the index lists {first!r} in it)")
     with pytest.raises(CorruptCheckpointError, match=missing):
         FastPersistReader(tmp_path).read_metadata()
+
+
+@pytest.mark.parametrize("what", ["shard", "index"])
+def test_a_fifo_where_a_shard_or_the_index_should_be_is_damage_and_not_waited_on(tmp_path, what):
+    """Opened without blocking: a FIFO there would otherwise wait for a writer that never comes."""
+    weight_map = three_shards(tmp_path)
+    name = weight_map["lm_head.weight"] if what == "shard" else INDEX
+    os.unlink(tmp_path / name)
+    os.mkfifo(tmp_path / name)
+    problem = re.escape(f"{name} is not a regular file, not a")
+    with pytest.raises(CorruptCheckpointError, match=problem):
+        FastPersistReader(tmp_path).read_metadata()
+    report = fp_dcp.verify_checkpoint(str(tmp_path))
+    assert not report.ok and any(re.search(problem, p) for p in report.problems), report.problems
 
 
 def test_a_cache_snapshot_link_whose_blob_is_missing(tmp_path):

@@ -134,6 +134,18 @@ def test_c_a_damaged_copy_on_a_nodes_own_disk_is_fetched_again_from_its_replica(
     check_restored(run_ranks(WORLD, restore, tmp, options), 1)
 
 
+def test_c_a_fifo_where_a_nodes_own_copy_should_be_is_replaced_from_its_replica(tmp_path):
+    """A restore that verifies first opens it without blocking: it does not wait on it for a writer, it fetches the
+    file again (a restore that does not verify first reads it as a data file, opened the same way)."""
+    tmp = str(tmp_path)
+    options = {"replicas": 2}
+    run_ranks(WORLD, save_steps, tmp, [1], options)
+    for path in data_files(os.path.join(local_root(tmp, "b"), "step-1"), (2, 3)):
+        os.unlink(path)
+        os.mkfifo(path)
+    check_restored(run_ranks(WORLD, restore, tmp, {**options, "verify": True}, timeout=60), 1)
+
+
 def test_e_a_slow_drain_with_keep_last_1_never_removes_the_newest_durable_step(tmp_path):
     tmp = str(tmp_path)
     seen = run_ranks(WORLD, slow_drain_run, tmp, 6)[0]

@@ -12,9 +12,10 @@ import errno as errno_mod
 import fcntl
 import os
 import secrets
+import stat
 import tempfile
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from .._native import _cio
 from ..log import log_once
@@ -28,6 +29,8 @@ __all__ = [
     "DataFile",
     "ShortReadError",
     "short_read",
+    "NotRegularFileError",
+    "open_regular",
     "open_file",
     "probe_file",
     "kernel_copies",
@@ -53,6 +56,33 @@ class ShortReadError(OSError):
 
 def short_read(path: str, nbytes: int, offset: int) -> ShortReadError:
     return ShortReadError(errno_mod.EIO, f"file ends before byte {offset + nbytes} (truncated?)", path)
+
+
+class NotRegularFileError(OSError):
+    """Where a file should be, something else is: a FIFO, a socket, a directory, a device. ``strerror`` says what."""
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``path`` open for reading, or NotRegularFileError unless it is a regular file (FileNotFoundError and other
+    OSErrors as ``open`` raises them).
+
+    Opened without blocking, so that a FIFO where a file of a checkpoint, a
+    run or a model should be does not wait for a writer (and a device does
+    not stream forever); blocking again once it is known to be a file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno_mod.ENXIO:  # ENXIO: a socket
+            raise
+        raise NotRegularFileError(errno_mod.ENXIO, "a socket", path) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise NotRegularFileError(errno_mod.EISDIR if stat.S_ISDIR(mode) else errno_mod.EINVAL, what, path)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 class DataFile:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..format import ItemLocation
+from ..io.files import NotRegularFileError, open_regular
 from ..safetensors_format import (
     INDEX_NAME,
     LENGTH_BYTES,
@@ -104,10 +105,12 @@ def read_weight_map(directory: str) -> dict[str, str] | None:
     """The index's ``weight_map`` (tensor name -> file), None where there is no index."""
     index = os.path.join(directory, INDEX_NAME)
     try:
-        with open(index, "rb") as f:
+        with open_regular(index) as f:
             return parse_index(f.read(), index)
     except FileNotFoundError:
         return None
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(f"{index} is {e.strerror}, not an index file") from None
 
 
 def checkpoint_files(directory: str, weight_map: dict[str, str] | None) -> list[str]:
@@ -127,11 +130,13 @@ def read_header(directory: str, name: str, weight_map: dict[str, str] | None) ->
     path = os.path.join(directory, name)
     stored = [] if weight_map is None else [t for t, f in weight_map.items() if f == name]
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except FileNotFoundError:
         link = f", a link to {os.readlink(path)}, which" if os.path.islink(path) else ""
         held = f" (the index lists {stored[0]!r} in it)" if stored else ""
         raise CorruptCheckpointError(f"{path}{link} is missing{held}") from None
+    except NotRegularFileError as e:
+        raise CorruptCheckpointError(f"{path} is {e.strerror}, not a {SUFFIX} file") from None
     with f:
         size = os.fstat(f.fileno()).st_size
         n = header_length(f.read(LENGTH_BYTES), size, path)

@@ -37,7 +37,7 @@ import re
 from typing import NamedTuple
 
 from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACheckpointError
-from ..io.files import open_file
+from ..io.files import open_file, open_regular
 from ..io.progress import Progress, ProgressCallback
 from ..safetensors_format import INDEX_NAME
 from .safetensors import Header, catalogue, checkpoint_files, read_header, read_weight_map
@@ -201,7 +201,7 @@ def verify_safetensors(
     index = os.path.join(directory, INDEX_NAME)
     index_hash = recorded_hash(index) if weight_map is not None else None
     if index_hash is not None:
-        with open(index, "rb") as stream:
+        with open_regular(index) as stream:
             data = stream.read()
         whole = _Hashing(len(data), index_hash)
         whole.feed(memoryview(data), 0)

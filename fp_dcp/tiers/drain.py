@@ -27,7 +27,7 @@ import os
 
 from ..errors import CheckpointError
 from ..format import METADATA_NAME
-from ..io.files import write_durably
+from ..io.files import open_regular, write_durably
 from ..log import log
 from ..net.group import Group
 from .layout import StepLayout, files_in_metadata, parse_step_name, step_name
@@ -89,7 +89,7 @@ def drain(step: int, directory: str, store: DurableStore, nodes: Nodes, group: G
     problems = [p for ps in group.all_gather(mine) for p in ps]
     problems += [f"{key}: no node holds it any more" for key in unheld]
     if not problems and group.rank == 0:
-        with open(os.path.join(directory, METADATA_NAME), "rb") as f:
+        with open_regular(os.path.join(directory, METADATA_NAME)) as f:
             data = f.read()
 
         def commit() -> list[str]:

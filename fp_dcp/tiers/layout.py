@@ -21,7 +21,7 @@ from typing import Any
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, NODE_MARKER, RETIRED_NAME, decode_footer, parse_data_file_name
-from ..io.files import write_durably
+from ..io.files import NotRegularFileError, open_regular, write_durably
 from ..load.stream_check import StreamCheck, items_by_file
 from ..save import commit
 
@@ -163,7 +163,7 @@ def mark_referenced(directory: str, name: str) -> None:
     marker = os.path.join(directory, RETIRED_NAME)
     listed: set[str] = set()
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        with open(marker) as f:
+        with open_regular(marker) as f:
             listed = set(json.load(f)["files"])
     if name not in listed:
         write_durably(marker, json.dumps({"files": sorted(listed | {name})}))
@@ -188,7 +188,7 @@ def publish_metadata(directory: str, data: bytes) -> None:
 
 def _holds(path: str, data: bytes) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read() == data
-    except FileNotFoundError:
+    except (FileNotFoundError, NotRegularFileError):  # what is there gets replaced by a file
         return False

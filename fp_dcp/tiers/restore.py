@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from ..checkpoint import decode_checked
 from ..errors import CheckpointError
 from ..format import METADATA_NAME
+from ..io.files import NotRegularFileError, open_regular
 from ..load.stream_check import StreamCheck
 from ..log import log
 from ..net.group import Group
@@ -160,7 +161,7 @@ def _metadata(
                 assert store is not None
                 data = store.get_bytes(key)
             else:
-                with open(os.path.join(root, key), "rb") as f:
+                with open_regular(os.path.join(root, key)) as f:
                     data = f.read()
             decode_checked(data, f"{source}:{key}")  # every check of opening it: checksums, tiling, locations
             files_in_metadata(step_name(step), data)  # and every owner a step of this root (its files have keys)
@@ -249,14 +250,19 @@ def _fetch(
 def _damaged_copy(path: str, check: StreamCheck) -> bool:
     """Whether the local copy at ``path`` exists and fails its checks (it is then removed: it would be loaded)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             while chunk := f.read(DEFAULT_CHUNK):
                 check.feed(chunk)
     except FileNotFoundError:
         return False
-    if not check.problems(path):
-        return False
-    log.warning("fp-dcp: %s is damaged (%s); fetching another copy", path, check.problems(path)[0])
+    except NotRegularFileError as e:
+        problem = f"it is {e.strerror}"
+    else:
+        problems = check.problems(path)
+        if not problems:
+            return False
+        problem = problems[0]
+    log.warning("fp-dcp: %s is damaged (%s); fetching another copy", path, problem)
     os.unlink(path)
     return True
 

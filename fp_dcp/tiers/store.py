@@ -23,7 +23,7 @@ from typing import Any
 
 from .._native import _cio
 from ..format import METADATA_NAME
-from ..io.files import fsync_directory, write_durably
+from ..io.files import fsync_directory, open_regular, write_durably
 from ..load.stream_check import StreamCheck
 from ..units import MiB
 from .layout import list_tier, parse_step_name
@@ -150,7 +150,7 @@ class PosixStore(DurableStore):
         self._checked(key, data)
 
     def chunks(self, key: str) -> Iterator[bytes]:
-        with open(self._path(key), "rb") as f:
+        with open_regular(self._path(key)) as f:
             yield from _read_chunks(f, None)
 
     def delete(self, key: str) -> None:

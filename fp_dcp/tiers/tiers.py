@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..errors import DurableStorageError
 from ..format import METADATA_NAME
+from ..io.files import open_regular
 from ..log import log
 from ..net.group import Group
 from ..net.transport import Transport, remove_partials
@@ -103,7 +104,7 @@ class Tiers:
         directory = os.path.join(self.root, step_name(step))
         data = None
         if self.main.rank == 0:
-            with open(os.path.join(directory, METADATA_NAME), "rb") as f:
+            with open_regular(os.path.join(directory, METADATA_NAME)) as f:
                 data = f.read()
         due = self._drainer is not None and (drain or self._since_drain is None or self._since_drain + 1 >= self.every)
         # the coordinator's word: a drain still running makes a due step wait, on every rank alike
