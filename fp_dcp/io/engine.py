@@ -35,7 +35,7 @@ from ..config import IOConfig
 from ..log import log_once
 from .buffers import BufferPool
 from .checksum import Checksummer
-from .files import DataFile, ShortReadError, short_read
+from .files import DataFile, ShortReadError, preallocate, short_read
 from .prefault import Prefaulter
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "NullEngine",
     "IOResources",
     "create_engine",
+    "engine_stores",
 ]
 
 FAULT_ENV = "FP_DCP_FAULT_AT"
@@ -77,7 +78,10 @@ class Engine(ABC):
     ``write``/``read`` queue the transfer and return at once; the memory must
     stay untouched until ``wait`` on the returned ticket has returned.
     ``fallback_reason`` says why ``auto`` did not pick io_uring (None if it did).
-    ``stores``: whether what is written can be read back (not so for ``NullEngine``).
+    ``stores``: whether what is written is kept, to be read back (not so for ``NullEngine``): a save through an
+    engine that keeps nothing takes over no files, has no other hands write its files and publishes nothing.
+    ``fault_at``: the request, counted from 1, that fails with EIO (``create_engine`` sets it from
+    ``FP_DCP_FAULT_AT``); None: none does.
     """
 
     name: str
@@ -86,9 +90,7 @@ class Engine(ABC):
     def __init__(self, config: IOConfig) -> None:
         self.block_size = config.block_size
         self.fallback_reason: str | None = None
-        # Test hook (documented in docs/reliability.md): the k-th request fails with EIO.
-        fault = os.environ.get(FAULT_ENV)
-        self.fault_at: int | None = int(fault) if fault else None
+        self.fault_at: int | None = None
         self._requests = 0
 
     def write(self, file: DataFile, data: memoryview, offset: int) -> Ticket:
@@ -129,6 +131,17 @@ class Engine(ABC):
     @abstractmethod
     def sync(self, files: Sequence[DataFile]) -> None:
         """fsync every file (in parallel where the engine can), raising the first error."""
+
+    def preallocate(self, files: Sequence[DataFile], sizes: Sequence[int], threads: int) -> None:
+        """Reserve each file's size now, so that a full disk fails cleanly before any data is written; up to
+        ``threads`` files at once: on tmpfs an allocation clears the memory it takes."""
+        if len(files) <= 1 or threads == 1:
+            for f, size in zip(files, sizes, strict=True):
+                preallocate(f, size)
+            return
+        with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
+            for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
+                task.result()
 
     @abstractmethod
     def drain(self) -> None:
@@ -350,6 +363,9 @@ class NullEngine(Engine):
     def sync(self, files: Sequence[DataFile]) -> None:
         pass
 
+    def preallocate(self, files: Sequence[DataFile], sizes: Sequence[int], threads: int) -> None:
+        pass  # nothing is kept, so nothing is reserved
+
     def drain(self) -> None:
         pass
 
@@ -357,12 +373,25 @@ class NullEngine(Engine):
         pass
 
 
+def engine_stores(config: IOConfig) -> bool:
+    """Whether the engine ``config`` asks for keeps what is written (``Engine.stores``), known before it is made:
+    every engine but the null sink."""
+    return config.engine != "null"
+
+
 def create_engine(config: IOConfig) -> Engine:
     """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once. The first engine
     of a process also says, once, what the build lacks: a source build's own report scrolls past in pip's
-    hidden output."""
+    hidden output. The test hook ``FP_DCP_FAULT_AT`` (docs/reliability.md) is read here, once per engine."""
     for library in missing():
         log_once(library.absence())
+    engine = _make(config)
+    fault = os.environ.get(FAULT_ENV)
+    engine.fault_at = int(fault) if fault else None
+    return engine
+
+
+def _make(config: IOConfig) -> Engine:
     if config.engine == "threads":
         return ThreadEngine(config)
     if config.engine == "null":

@@ -27,7 +27,6 @@ import io
 import itertools
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,7 @@ from ..io.checksum import Checksummer
 from ..io.dealing import deal
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, in_place, open_file, preallocate
+from ..io.files import DataFile, in_place, open_file
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
@@ -225,8 +224,7 @@ def write_laid_out(
         for path, _, _ in plans:
             files.append(open_file(path, create=True, direct=config.direct_io, reuse=path in reused))
         stale = {f: 0 for f in files if f.path in reused}  # reused files: where their old bytes start
-        if engine.stores:
-            _preallocate(files, [size for _, _, size in plans], checksum.threads)
+        engine.preallocate(files, [size for _, _, size in plans], checksum.threads)  # an early, clean ENOSPC
         extents = []
         for f, (_, items, _) in zip(files, plans, strict=True):
             from_tensors = in_place(config.direct_writes, f, pool)
@@ -283,14 +281,3 @@ def _write_through_ring(
     if not reads_tensors:
         controls.released()
     window.finish()
-
-
-def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
-    """Preallocate the files, several at once: on tmpfs an allocation clears the memory it takes."""
-    if len(files) <= 1 or threads == 1:
-        for f, size in zip(files, sizes, strict=True):
-            preallocate(f, size)
-        return
-    with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
-        for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
-            task.result()

@@ -62,6 +62,7 @@ from torch.futures import Future
 from ..compat import CONSOLIDATION, consolidate_safetensors_files, require
 from ..config import IOConfig
 from ..gpu.copier import DeviceCopier
+from ..io.engine import engine_stores
 from ..io.files import fsync_directory, write_durably
 from ..safetensors_format import (
     DCP_METADATA,
@@ -133,10 +134,10 @@ class SafetensorsWriter(StorageWriter):
             require(CONSOLIDATION)
             _needs_safetensors_package()
         self.config = config if config is not None else IOConfig()
-        if self.config.engine == "null":
+        if not engine_stores(self.config):
             raise ValueError(
-                "SafetensorsWriter cannot use engine='null': its files are complete once renamed into place, "
-                "and the null engine stores nothing in them"
+                f"SafetensorsWriter cannot use engine={self.config.engine!r}: its files are complete once renamed "
+                "into place, and that engine stores nothing in them"
             )
         self._default_path = checkpoint_directory(path)
         self._path = self._default_path

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
 from ..io import files
+from ..io.engine import engine_stores
 from ..units import PAGE, align_up
 from . import commit
 from .checkpoint_path import checkpoint_directory
@@ -343,7 +344,7 @@ class FastPersistWriter(StorageWriter):
         if self.last_save:
             footer["engine"] = self.last_save.describe_io()  # the coordinator's
         encoded = encode_metadata(this_save, entries, footer)
-        if self.config.engine == "null":  # nothing was stored: there is no checkpoint to publish
+        if not engine_stores(self.config):  # nothing was stored: there is no checkpoint to publish
             self.placement.remove(entries)
             self._release_lock()
             return
