@@ -25,7 +25,7 @@ from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.gpu import cudart
 from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
-from fp_dcp.io.checksum import MIN_SLICE, Checksummer
+from fp_dcp.io.host_threads import MIN_SLICE, HostThreads
 
 pytestmark = pytest.mark.gpu
 
@@ -50,9 +50,9 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     copies = []
     original = DeviceLoads.copy
 
-    def counting(self, region, target, checksum, checksummer):
+    def counting(self, region, target, checksum, host_threads):
         copies.append(len(region))
-        return original(self, region, target, checksum, checksummer)
+        return original(self, region, target, checksum, host_threads)
 
     monkeypatch.setattr(DeviceLoads, "copy", counting)
     target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
@@ -105,13 +105,13 @@ def test_gpu_load_without_the_crc_kernel_checksums_over_the_host_threads(tmp_pat
     for kernel in (DeviceCrc, ModelCrc):
         monkeypatch.setattr(kernel, "ready", lambda self, side: False)
     summed: list[int] = []
-    original = Checksummer.crc32c
+    original = HostThreads.crc32c
 
     def spy(self, data, crc=0, hasher=None):
         summed.append(data.nbytes)
         return original(self, data, crc, hasher)
 
-    monkeypatch.setattr(Checksummer, "crc32c", spy)
+    monkeypatch.setattr(HostThreads, "crc32c", spy)
     state = {"big": torch.randn(3 * MIN_SLICE // 4), "small": torch.arange(100)}
     save(state, tmp_path / "ck")
     config = IOConfig(host_threads=2)

@@ -34,8 +34,8 @@ from .._native import _cio, missing
 from ..config import IOConfig
 from ..log import log_once
 from .buffers import BufferPool
-from .checksum import Checksummer
 from .files import DataFile, ShortReadError, preallocate, short_read
+from .host_threads import HostThreads
 from .prefault import Prefaulter
 
 __all__ = [
@@ -413,15 +413,16 @@ def _make(config: IOConfig) -> Engine:
 
 class IOResources:
     """An engine and a staging-buffer pool, created on first use and kept until ``close``, and the host
-    threads beside them: ``checksummer`` (copies and checksums over several threads) and ``prefaulter``
-    (load targets faulted in ahead of the reads; no threads where ``prepare_targets`` is off)."""
+    threads beside them: ``host_threads`` (copies and checksums over several threads, a save's files written
+    side by side) and ``prefaulter`` (load targets faulted in ahead of the reads; no threads where
+    ``prepare_targets`` is off)."""
 
     def __init__(self, config: IOConfig) -> None:
         self.config = config
         self._engine: Engine | None = None
         self._pool: BufferPool | None = None
         threads = config.threads()
-        self.checksummer = Checksummer(threads)
+        self.host_threads = HostThreads(threads)
         self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
 
     def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
@@ -450,4 +451,4 @@ class IOResources:
     def close(self) -> None:
         self.close_pool()
         self.prefaulter.close()
-        self.checksummer.close()
+        self.host_threads.close()

@@ -34,10 +34,10 @@ from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
 from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
-from ..io.checksum import BOUNCE, Checksummer
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, ShortReadError, from_memory, in_place, open_file
+from ..io.host_threads import BOUNCE, ONE_THREAD, HostThreads
 from ..io.prefault import NOTHING_PREPARED, Prefaulter
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller
@@ -51,7 +51,6 @@ _MAX_WASTE = 0.05  # read through holes between needed runs while they add at mo
 # reads on a fast disk, which a fault-in on one helper thread keeps up with (docs/benchmarks.md, "Figures
 # behind design comments").
 _LOOKAHEAD = 1 << 30
-_ONE_THREAD = Checksummer(1)
 _MAX_RUNS = 4096  # beyond this many runs, read the whole stored chunk and narrow it in memory
 
 
@@ -324,7 +323,7 @@ def read_items(
     config: IOConfig,
     verify: bool,
     uploads: DeviceLoads | None = None,
-    checksummer: Checksummer | None = None,
+    host_threads: HostThreads | None = None,
     prefaulter: Prefaulter | None = None,
 ) -> ReadCounts:
     """Read every request into its planner-resolved destination (device targets through ``uploads``).
@@ -332,11 +331,11 @@ def read_items(
     Neighbouring items of a file are read with one request where the holes
     between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
     ``verify``: check the CRC-32C of items read whole, where the catalogue has them.
-    ``checksummer`` copies and checksums over several threads (None: this
+    ``host_threads`` copy and checksum over several threads (None: this
     one); ``prefaulter`` faults host targets in ahead of their reads (None:
     the reads and copies fault them in).
     """
-    checksum = checksummer or _ONE_THREAD
+    checksum = host_threads or ONE_THREAD
     verify = verify and catalog.checksums
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:

@@ -303,7 +303,7 @@ class FastPersistReader(StorageReader):
             self.config,
             self.verify_checksums,
             self._uploads,
-            io.checksummer,
+            io.host_threads,
             io.prefaulter,
         )
 

@@ -38,11 +38,11 @@ from ..config import IOConfig
 from ..format import ItemLocation, layout, stored_nbytes
 from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
-from ..io.checksum import Checksummer
 from ..io.dealing import deal
 from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
 from ..io.files import DataFile, in_place, open_file
+from ..io.host_threads import ONE_THREAD, HostThreads
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
 from .controls import SaveControls
@@ -139,7 +139,7 @@ def write_files(
     controls: SaveControls,
     copier: DeviceCopier,
     incremental: Incremental | None = None,
-    checksummer: Checksummer | None = None,
+    host_threads: HostThreads | None = None,
     reuse: Callable[[list[str]], Collection[str]] | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
@@ -175,7 +175,7 @@ def write_files(
         plans.append((path, items, size))
 
     reused = reuse([path for path, _, _ in plans]) if reuse is not None else ()
-    directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer, reused)
+    directs = write_laid_out(plans, engine, pool, config, controls, copier, host_threads, reused)
 
     results = []
     written = []
@@ -199,7 +199,7 @@ def write_laid_out(
     config: IOConfig,
     controls: SaveControls,
     copier: DeviceCopier,
-    checksummer: Checksummer | None = None,
+    host_threads: HostThreads | None = None,
     reused: Collection[str] = (),
 ) -> list[bool]:
     """Create each file ``(path, items, size)``, write its items (in file order) at their offsets, make it
@@ -213,10 +213,10 @@ def write_laid_out(
     every file is removed. ``controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
-    those writes completed. ``checksummer`` copies and checksums over several
+    those writes completed. ``host_threads`` copy and checksum over several
     threads (None: this one). Returns whether each file was written with O_DIRECT.
     """
-    checksum = checksummer or Checksummer(1)
+    checksum = host_threads or ONE_THREAD
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
     window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
@@ -224,14 +224,14 @@ def write_laid_out(
         for path, _, _ in plans:
             files.append(open_file(path, create=True, direct=config.direct_io, reuse=path in reused))
         stale = {f: 0 for f in files if f.path in reused}  # reused files: where their old bytes start
-        engine.preallocate(files, [size for _, _, size in plans], checksum.threads)  # an early, clean ENOSPC
+        engine.preallocate(files, [size for _, _, size in plans], checksum.count)  # an early, clean ENOSPC
         extents = []
         for f, (_, items, _) in zip(files, plans, strict=True):
             from_tensors = in_place(config.direct_writes, f, pool)
             pieces = [piece for it in items for piece in _pieces(it, from_tensors, config.block_size)]
             extents.append(plan_extents(pieces, f.align, pool.size, config.direct_min, None))
         on_host = all(it.source.device_tensor is None for _, items, _ in plans for it in items)
-        if threads_write(engine, files, on_host, checksum.threads):
+        if threads_write(engine, files, on_host, checksum.count):
             write_by_threads(files, [list(e) for e in extents], stale, pool, copier, controls, checksum, progress)
             progress.finish()
         else:
@@ -262,7 +262,7 @@ def _write_through_ring(
     window: Window,
     copier: DeviceCopier,
     controls: SaveControls,
-    checksum: Checksummer,
+    checksum: HostThreads,
 ) -> None:
     """Write the files' extents through the engine, the files in turn, ``window`` keeping several in flight."""
     engine = window.engine

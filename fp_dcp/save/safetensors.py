@@ -223,8 +223,8 @@ class SafetensorsWriter(StorageWriter):
                 laid_out.append((os.path.join(self.path, f"{name}.{token}.tmp"), placed, size))
                 names.append(name)
             copier.prepare(pool, [p.source for _, placed, _ in laid_out for p in placed])
-            checksummer = self._resources.io.checksummer
-            directs = write_laid_out(laid_out, engine, pool, self.config, SaveControls(), copier, checksummer)
+            host_threads = self._resources.io.host_threads
+            directs = write_laid_out(laid_out, engine, pool, self.config, SaveControls(), copier, host_threads)
             for (tmp, _, _), name in zip(laid_out, names, strict=True):
                 os.replace(tmp, os.path.join(self.path, name))
             fsync_directory(self.path)

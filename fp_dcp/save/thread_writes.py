@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from .._native import _cio
 from ..gpu.copier import DeviceCopier
 from ..io.buffers import BufferPool
-from ..io.checksum import BOUNCE, Checksummer
 from ..io.dealing import deal
 from ..io.engine import Engine
 from ..io.extents import Direct, Extent
 from ..io.files import DataFile
+from ..io.host_threads import BOUNCE, ONE_THREAD, HostThreads
 from ..io.progress import Progress
 from .controls import SaveControls
 from .filling import fill, write_all, zero_stale
@@ -37,7 +37,6 @@ from .filling import fill, write_all, zero_stale
 __all__ = ["threads_write", "write_by_threads"]
 
 STEP = BOUNCE  # bytes per pwrite: the kernel's copy and the CRC after it share a core's cache
-_ONE_THREAD = Checksummer(1)  # the lanes are the threads: a copy inside one is not split again
 
 
 def threads_write(engine: Engine, files: Sequence[DataFile], sources_on_host: bool, threads: int) -> bool:
@@ -55,17 +54,17 @@ def write_by_threads(
     pool: BufferPool,
     copier: DeviceCopier,
     controls: SaveControls,
-    checksum: Checksummer,
+    host_threads: HostThreads,
     progress: Progress,
 ) -> None:
-    """Write each file's ``extents`` (file order), the files dealt over ``checksum``'s threads by bytes.
+    """Write each file's ``extents`` (file order), the files dealt over the host threads by bytes.
 
     ``stale`` maps reused files to where their old bytes start, as the
     ring's path keeps it: the old bytes between extents are zeroed on the
     way. On a failure or ``controls`` cancelling, every thread stops at its
     next extent and the first error is raised once all have ended.
     """
-    lanes = min(checksum.threads, len(files), pool.count)
+    lanes = min(host_threads.count, len(files), pool.count)
     owners, _ = deal(
         [sum(e.length for e in file_extents) for file_extents in extents], [range(lanes)] * len(files), lanes
     )
@@ -87,16 +86,16 @@ def write_by_threads(
                     zero_stale(f, stale, extent)
                     if extent.direct is not None:
                         _write_run(f, extent.file_offset, extent.direct)
-                    else:
+                    else:  # the lanes are the threads: a copy inside one is not split again
                         buffer = pool.views[lane] if buffer is None else buffer
-                        write_all(f, fill(buffer[: extent.length], extent, copier, _ONE_THREAD), extent.file_offset)
+                        write_all(f, fill(buffer[: extent.length], extent, copier, ONE_THREAD), extent.file_offset)
                     with counted:
                         progress.advance(extent.payload)
         except BaseException:
             failed.set()
             raise
 
-    checksum.run_all([functools.partial(write_lane, work[i], i) for i in range(lanes) if work[i]])
+    host_threads.run_all([functools.partial(write_lane, work[i], i) for i in range(lanes) if work[i]])
 
 
 def _write_run(f: DataFile, offset: int, run: Direct) -> None:

@@ -307,9 +307,9 @@ class FastPersistWriter(StorageWriter):
         copier = self._staging.copier(staged.ready if staged else None)
         threads = min(self.config.io_threads, os.cpu_count() or 1)
         incremental = Incremental(self._base, threads) if self.incremental else None
-        checksummer = self._io.checksummer
+        host_threads = self._io.host_threads
         results, written = write_files(
-            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, checksummer, reuse
+            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, host_threads, reuse
         )
         for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them
