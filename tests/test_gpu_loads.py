@@ -18,7 +18,7 @@ from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc, ModelCrc
 from dist_util import run_ranks
 
 import fp_dcp.io.buffers
-import fp_dcp.load.reader
+import fp_dcp.load.resources
 from fp_dcp import IOConfig
 from fp_dcp._native import _cio
 from fp_dcp.errors import CorruptCheckpointError
@@ -63,7 +63,7 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     contiguous = sum(v.nbytes for k, v in state.items() if k != "transposed")
     assert sum(copies) == contiguous  # every contiguous target's bytes crossed as copies...
     assert max(copies) <= SMALL.buffer_size  # ...out of staging buffers, no whole-item intermediate
-    pool = reader._io.get()[1]
+    pool = reader._resources.io.context().pool
     assert all(gpu.page_locked(view) for view in pool.views)
 
 
@@ -78,7 +78,7 @@ def test_readers_made_anew_for_each_gpu_load_take_page_locked_buffers(tmp_path, 
         reader = gpu.reader(tmp_path / "ck", config=SMALL)
         dcp.load(target, storage_reader=reader)
         assert all(same_bytes(target[k].cpu(), v) for k, v in state.items())
-        pool = reader._io.get()[1]
+        pool = reader._resources.io.context().pool
         assert all(gpu.page_locked(view) for view in pool.views)
         seen.append([_cio.address(view) for view in pool.views])
         del reader, pool
@@ -164,7 +164,7 @@ def _load_shared_into_device(rank: int, world: int, path: str) -> bool:
     os.environ["FP_DCP_NODE"] = f"node{rank % 2}"
     double = CudaRuntimeDouble()
     fp_dcp.io.buffers._allocate = double.tracking(fp_dcp.io.buffers._allocate)
-    fp_dcp.load.reader.DeviceLoads = CpuTargetsAsDevice
+    fp_dcp.load.resources.DeviceLoads = CpuTargetsAsDevice
     g = torch.Generator().manual_seed(9)
     expected = {f"w{i}": torch.randn(300, 301, generator=g) for i in range(4)}
     target = {k: torch.zeros_like(v) for k, v in expected.items()}

@@ -33,10 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .._native import _cio, missing
 from ..config import IOConfig
 from ..log import log_once
-from .buffers import BufferPool
 from .files import DataFile, ShortReadError, preallocate, short_read
-from .host_threads import HostThreads
-from .prefault import Prefaulter
 
 __all__ = [
     "ShortReadError",
@@ -45,7 +42,6 @@ __all__ = [
     "UringEngine",
     "ThreadEngine",
     "NullEngine",
-    "IOResources",
     "create_engine",
     "engine_stores",
 ]
@@ -409,46 +405,3 @@ def _make(config: IOConfig) -> Engine:
     engine = ThreadEngine(config)
     engine.fallback_reason = reason
     return engine
-
-
-class IOResources:
-    """An engine and a staging-buffer pool, created on first use and kept until ``close``, and the host
-    threads beside them: ``host_threads`` (copies and checksums over several threads, a save's files written
-    side by side) and ``prefaulter`` (load targets faulted in ahead of the reads; no threads where
-    ``prepare_targets`` is off)."""
-
-    def __init__(self, config: IOConfig) -> None:
-        self.config = config
-        self._engine: Engine | None = None
-        self._pool: BufferPool | None = None
-        threads = config.threads()
-        self.host_threads = HostThreads(threads)
-        self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
-
-    def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
-        """The engine and the pool: ``num_buffers`` buffers, or ``min_buffers`` where that is more. A writer asks
-        for two per file it writes at once, one filling while another is written: with fewer, saves staged from
-        a GPU into 8 directories on tmpfs kept fewer writes in flight than files and fell well short of fio's 8
-        jobs (docs/benchmarks.md, "Figures behind design comments"). Made at the first call and kept; made
-        anew, larger, where a later call asks for more (call it between transfers)."""
-        if self._pool is not None and self._pool.count < min_buffers:
-            self.close_pool()
-        if self._engine is None or self._pool is None:
-            engine = self._engine = create_engine(self.config)
-            count = max(self.config.num_buffers, min_buffers)
-            self._pool = BufferPool(self.config.buffer_size, count, on_map=engine.register_buffers)
-        return self._engine, self._pool
-
-    def close_pool(self) -> None:
-        """Close the engine and the pool (a later ``get`` makes them anew)."""
-        if self._engine is not None:
-            self._engine.close()  # first: the ring holds the buffers while registered
-            self._engine = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-    def close(self) -> None:
-        self.close_pool()
-        self.prefaulter.close()
-        self.host_threads.close()

@@ -32,17 +32,16 @@ from .._native import _cio
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, checksum_mismatch, chunk_nbytes, describe_item
-from ..gpu.loading import DeviceLoads
 from ..io.buffers import BufferPool
-from ..io.engine import Engine
-from ..io.extents import Extent, Piece, Window, interleave, plan_extents
+from ..io.extents import Extent, Piece, interleave, plan_extents
 from ..io.files import DataFile, ShortReadError, from_memory, in_place, open_file
-from ..io.host_threads import BOUNCE, ONE_THREAD, HostThreads
-from ..io.prefault import NOTHING_PREPARED, Prefaulter
+from ..io.host_threads import BOUNCE
+from ..io.prefault import NOTHING_PREPARED
 from ..io.progress import Progress
 from ..io.userfault import UserfaultFiller
 from ..tensors import ByteSink
 from .catalog import Catalog
+from .context import ReadContext
 
 __all__ = ["read_items"]
 
@@ -102,10 +101,8 @@ class _Item:
         return describe_item(self.req.storage_index, self.location)
 
 
-def _prepare(
-    item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool, uploads: DeviceLoads | None, pool: BufferPool
-) -> None:
-    """Resolve the item's destination (device targets through ``uploads``) and the byte runs it needs."""
+def _prepare(item: _Item, planner: LoadPlanner, catalog: Catalog, verify: bool, ctx: ReadContext) -> None:
+    """Resolve the item's destination (device targets through ``ctx.device_loads``) and the byte runs it needs."""
     req, loc = item.req, item.location
     if req.type == LoadItemType.BYTE_IO:
         item.sink = memoryview(bytearray(loc.length))
@@ -127,11 +124,12 @@ def _prepare(
                 f"the checkpoint region is {list(req.lengths)}"
             )
         runs = byte_runs(sizes, req.storage_offsets, req.lengths, itemsize)
+        uploads = ctx.device_loads
         if runs or 0 in req.lengths:
             on_device = uploads is not None and uploads.on_device(target)
             item.sink = ByteSink(target, dtype, req.lengths, on_device=on_device)
             if item.sink.device is not None and uploads is not None:
-                uploads.prepare(pool, target.device)
+                uploads.prepare(ctx.pool, target.device)
             item.runs = runs
         else:  # too fragmented: read the chunk whole and narrow it in memory
             item.sink = ByteSink(target, dtype, sizes, (req.storage_offsets, req.lengths))
@@ -150,9 +148,7 @@ def _finish(item: _Item, planner: LoadPlanner) -> None:
         planner.commit_tensor(item.req, item.sink.commit())
 
 
-def fill_from_bytes(
-    req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview, uploads: DeviceLoads, pool: BufferPool
-) -> int:
+def fill_from_bytes(req: ReadItem, planner: LoadPlanner, catalog: Catalog, data: memoryview, ctx: ReadContext) -> int:
     """Complete ``req`` from ``data``, the whole stored item (another rank read it), checking its CRC-32C first
     where the catalogue has one.
 
@@ -164,7 +160,7 @@ def fill_from_bytes(
         raise CorruptCheckpointError(f"{item.describe()}: received {len(data)} bytes from a peer")
     if catalog.checksums and (crc := _cio.crc32c(data)) != loc.crc32c:
         raise CorruptCheckpointError(checksum_mismatch(req.storage_index, loc, crc) + " (as received from a peer)")
-    _prepare(item, planner, catalog, False, uploads, pool)
+    _prepare(item, planner, catalog, False, ctx)
     device = _sink_device(item)
     at = 0
     for start, length in item.runs:
@@ -196,19 +192,18 @@ def _ahead(
     planner: LoadPlanner,
     catalog: Catalog,
     verify: bool,
-    uploads: DeviceLoads | None,
-    pool: BufferPool,
-    prefaulter: Prefaulter | None,
+    ctx: ReadContext,
     filler: UserfaultFiller | None,
     lookahead: int,
 ) -> Iterator[_Item]:
     """The items, each resolved ``lookahead`` bytes before it is yielded, its host memory handed to the
     prefaulter then, so that its pages are in before its reads (or registered with ``filler``, where given:
     every read is staged); items with nothing to read are finished."""
+    prefaulter = ctx.prefaulter
     waiting: deque[_Item] = deque()
     queued = 0
     for item in items:
-        _prepare(item, planner, catalog, verify, uploads, pool)
+        _prepare(item, planner, catalog, verify, ctx)
         if not item.total:
             waiting.append(item)
             continue
@@ -313,30 +308,21 @@ class ReadCounts:
     needed: int
     requests: int
 
+    def __add__(self, other: ReadCounts) -> ReadCounts:
+        return ReadCounts(self.read + other.read, self.needed + other.needed, self.requests + other.requests)
 
-def read_items(
-    requests: list[ReadItem],
-    planner: LoadPlanner,
-    catalog: Catalog,
-    engine: Engine,
-    pool: BufferPool,
-    config: IOConfig,
-    verify: bool,
-    uploads: DeviceLoads | None = None,
-    host_threads: HostThreads | None = None,
-    prefaulter: Prefaulter | None = None,
-) -> ReadCounts:
-    """Read every request into its planner-resolved destination (device targets through ``uploads``).
+
+def read_items(requests: list[ReadItem], planner: LoadPlanner, catalog: Catalog, ctx: ReadContext) -> ReadCounts:
+    """Read every request into its planner-resolved destination (device targets through ``ctx.device_loads``).
 
     Neighbouring items of a file are read with one request where the holes
     between them stay small (``_MAX_WASTE``), up to a staging buffer's size.
-    ``verify``: check the CRC-32C of items read whole, where the catalogue has them.
-    ``host_threads`` copy and checksum over several threads (None: this
-    one); ``prefaulter`` faults host targets in ahead of their reads (None:
-    the reads and copies fault them in).
+    ``ctx.verify``: check the CRC-32C of items read whole, where the catalogue has them.
+    ``ctx.host_threads`` copy and checksum; ``ctx.prefaulter`` faults host targets in ahead of their reads
+    (None: the reads and copies fault them in).
     """
-    checksum = host_threads or ONE_THREAD
-    verify = verify and catalog.checksums
+    engine, pool, config, checksum, uploads = ctx.engine, ctx.pool, ctx.config, ctx.host_threads, ctx.device_loads
+    verify = ctx.verify and catalog.checksums
     by_file: dict[str, list[_Item]] = defaultdict(list)
     for req in requests:
         loc = catalog.location(req)
@@ -378,20 +364,20 @@ def read_items(
     read = 0
     issued = 0
     progress = Progress("load", sum(it.location.length for items in by_file.values() for it in items))
-    window = Window(engine, pool, retire, config.queue_depth + pool.count, progress)
+    window = ctx.window(retire, progress)
     ends = {files[name].path: catalog.file_sizes.get(name) for name in by_file}  # safetensors files end mid-block
     lookahead = _LOOKAHEAD // max(1, len(by_file))
     filler: UserfaultFiller | None = None
     try:
         placements = {name: _placement(config, files[name], pool) for name in by_file}
         from_memory_files = {f.path for f in files.values() if from_memory(f)}
-        if prefaulter is not None and "in place" not in placements.values():
+        if ctx.prefaulter is not None and "in place" not in placements.values():
             filler = UserfaultFiller()  # fills untouched targets page by page: no read goes straight into them
         streams = []
         for name, items in by_file.items():
             f = files[name]
             items.sort(key=lambda it: it.location.offset)
-            ahead = _ahead(items, planner, catalog, verify, uploads, pool, prefaulter, filler, lookahead)
+            ahead = _ahead(items, planner, catalog, verify, ctx, filler, lookahead)
             pieces = _pieces(ahead, placements[name])
             align = 1 if f.path in from_memory_files else f.align  # memory takes any offset, also with O_DIRECT
             extents = plan_extents(pieces, align, pool.size, config.direct_min, _MAX_WASTE)
