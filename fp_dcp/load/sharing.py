@@ -42,7 +42,8 @@ from ..net.transport import MemorySink, MemorySource, Transfer, Transport
 from ..units import MiB
 from .catalog import Catalog
 from .context import ReadContext
-from .pipeline import ReadCounts, fill_from_bytes, read_items
+from .pipeline import ReadCounts, read_items
+from .targets import fill_from_bytes
 
 __all__ = ["Exchange", "plan_exchange", "read_shared", "WINDOW"]
 
