@@ -160,7 +160,7 @@ def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> d
 
                 snapshots.append(size / timed(device, snapshot) / GB)
                 responses[-1].upload_completion.result()
-            arena = writer._staging.snapshot  # the copy alone, as the staging thread runs it
+            arena = writer._resources.staging.snapshot  # the copy alone, as the staging thread runs it
             for _ in range(3):
                 takes.append(size / timed(device, lambda a=arena: a.take(state, {})) / GB)
         with FastPersistWriter(path) as writer:

@@ -19,7 +19,7 @@ from ._native import _cio
 from .errors import UnsupportedTensorError
 
 if TYPE_CHECKING:
-    from .io.checksum import Checksummer
+    from .io.host_threads import HostThreads
 
 __all__ = ["QUANTIZED", "check_storable", "plain_layout", "byte_view", "ByteSource", "ByteSink"]
 
@@ -122,17 +122,17 @@ class ByteSource:
         offset: int,
         crc: int,
         hasher: _cio.Hash128 | None = None,
-        checksummer: Checksummer | None = None,
+        host_threads: HostThreads | None = None,
     ) -> int:
         """Copy the bytes at ``offset`` into ``dst`` (filling it); return the running CRC-32C.
 
-        ``hasher`` is fed the same bytes, in the same pass; ``checksummer``
-        copies bytes in memory over several threads.
+        ``hasher`` is fed the same bytes, in the same pass; ``host_threads``
+        copy bytes in memory over several threads.
         """
         if self.memory is not None:
             src = self.memory[offset : offset + len(dst)]
-            if checksummer is not None:
-                return checksummer.copy_crc32c(dst, src, crc, hasher)
+            if host_threads is not None:
+                return host_threads.copy_crc32c(dst, src, crc, hasher)
             return _cio.copy_crc32c(dst, src, crc, hasher)
         done = 0
         while done < len(dst):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import fp_dcp.io.buffers
 import fp_dcp.io.files
-import fp_dcp.load.reader
+import fp_dcp.load.resources
 import fp_dcp.save.resources
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig, compat
 from fp_dcp._native import _cio
@@ -140,7 +140,7 @@ class Gpu:
 
     def reader(self, *args: Any, **kwargs: Any) -> FastPersistReader:
         """A reader whose device loads take this route (the same as any reader's on CUDA)."""
-        return self._routed(FastPersistReader, fp_dcp.load.reader, "DeviceLoads", CpuTargetsAsDevice, args, kwargs)
+        return self._routed(FastPersistReader, fp_dcp.load.resources, "DeviceLoads", CpuTargetsAsDevice, args, kwargs)
 
     def _routed(self, make: Any, module: Any, name: str, route: type, args: Any, kwargs: Any) -> Any:
         """``make(*args, **kwargs)``, built with ``route`` in place of ``module.name`` on the CPU route."""

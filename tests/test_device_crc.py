@@ -236,12 +236,12 @@ def test_gpu_save_checksums_device_tensors_on_the_device(tmp_path, gpu, monkeypa
     with device_checksums(monkeypatch) as on_device, host_checksums(monkeypatch) as on_host:
         dcp.save(state, storage_writer=writer)
     assert writer.last_save is not None
-    pool = writer._io.get()[1]
-    landing = [side.landing.view for side in writer._staging._streams.values() if side._landing is not None]
+    pool = writer._resources.io.context().pool
+    landing = [side.landing.view for side in writer._resources.staging._streams.values() if side._landing is not None]
     if kernel:
         assert sum(on_device) == nbytes(state)  # every byte, on the device...
         assert inside(on_host, [*pool.views, *landing]) == []  # ...and none where it landed on the host
-        assert writer.last_save.staging.endswith(f"checksums: {writer._staging.crc_backend}")
+        assert writer.last_save.staging.endswith(f"checksums: {writer._resources.staging.crc_backend}")
     else:
         assert on_device == [] and inside(on_host, [*pool.views, *landing])  # the spy sees host passes
     expected = {k: _cio.crc32c(b) for k, b in host_bytes(state).items()}
@@ -271,7 +271,7 @@ def test_gpu_load_checksums_what_landed_on_the_device(tmp_path, gpu, monkeypatch
     reader = gpu.reader(tmp_path / "ck", config=SMALL)
     with device_checksums(monkeypatch) as on_device, host_checksums(monkeypatch) as on_host:
         dcp.load(target, storage_reader=reader)
-    pool = reader._io.get()[1]
+    pool = reader._resources.io.context().pool
     if kernel:
         assert sum(on_device) == nbytes(state) and inside(on_host, pool.views) == []
     else:

@@ -537,8 +537,8 @@ def test_a_load_that_reads_every_byte_in_place_maps_no_staging_buffer(tmp_path):
         target = empty_like(state)  # buffered files are read in place (the kernel copies); staged: into buffers
         reader = load(target, tmp_path / "ck", config=config)
         assert all(torch.equal(target[k], v) for k, v in state.items())
-        assert (reader._io.get()[1]._views is not None) == staged
-        reader._io.close()
+        assert (reader._resources.io.context().pool._views is not None) == staged
+        reader._resources.close()
 
 
 def test_a_dropped_pool_is_parked_and_expires(monkeypatch):

@@ -15,7 +15,7 @@ from fp_dcp import FastPersistReader
 from fp_dcp._native import _cio
 from fp_dcp.format import layout
 from fp_dcp.io.extents import Piece, plan_extents
-from fp_dcp.load.pipeline import byte_runs
+from fp_dcp.load.targets import byte_runs
 
 
 def random_layout(rng: random.Random, n: int) -> list[Piece]:

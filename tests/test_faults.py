@@ -152,7 +152,7 @@ def test_failed_publish_removes_the_saves_data_files(request, tmp_path, cause):
 def requests_of_a_save(tmp_path, config: IOConfig, state: dict) -> int:
     with FastPersistWriter(tmp_path / "count", config=config) as writer:
         save_with(writer, state)
-        return writer._io.get()[0]._requests  # the fault hook's own counter
+        return writer._resources.io.context().engine._requests  # the fault hook's own counter
 
 
 def small(config: str) -> IOConfig:
@@ -179,7 +179,7 @@ def test_injected_eio_fails_the_save_cleanly(tmp_path, monkeypatch, config, k):
     assert isinstance(err, OSError) and err.errno == errno.EIO and "injected" in str(err) and ckpt.name in str(err)
     opened = {fd: target for fd, target in open_fds().items() if fd not in fds}
     assert not [t for t in opened.values() if t.endswith(".distcp") or ".metadata" in t], opened
-    pool = writer._io.get()[1]
+    pool = writer._resources.io.context().pool
     assert len(pool.free) == pool.count  # every staging buffer back in the pool
     writer.close()
     assert open_fds() == fds
@@ -194,7 +194,7 @@ def test_injected_eio_fails_the_load_cleanly(ckpt, monkeypatch, config, k):
     save(state, ckpt, config=SMALL).close()
     with FastPersistReader(ckpt, config=small(config)) as reader:
         dcp.load(empty_like(state), storage_reader=reader)
-        n = reader._io.get()[0]._requests  # the fault hook's own counter
+        n = reader._resources.io.context().engine._requests  # the fault hook's own counter
     evict(str(ckpt))  # else the buffered read above leaves the files in the page cache, read there, not by the engine
     fds = open_fds()
     monkeypatch.setenv(engine.FAULT_ENV, str({"first": 1, "last": n}[k]))
@@ -204,7 +204,7 @@ def test_injected_eio_fails_the_load_cleanly(ckpt, monkeypatch, config, k):
     monkeypatch.delenv(engine.FAULT_ENV)
     err = failure(e)
     assert isinstance(err, OSError) and err.errno == errno.EIO and "injected" in str(err)
-    pool = reader._io.get()[1]
+    pool = reader._resources.io.context().pool
     assert len(pool.free) == pool.count
     reader.close()
     assert open_fds() == fds

@@ -18,14 +18,14 @@ from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc, ModelCrc
 from dist_util import run_ranks
 
 import fp_dcp.io.buffers
-import fp_dcp.load.reader
+import fp_dcp.load.resources
 from fp_dcp import IOConfig
 from fp_dcp._native import _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.gpu import cudart
 from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
-from fp_dcp.io.checksum import MIN_SLICE, Checksummer
+from fp_dcp.io.host_threads import MIN_SLICE, HostThreads
 
 pytestmark = pytest.mark.gpu
 
@@ -50,9 +50,9 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     copies = []
     original = DeviceLoads.copy
 
-    def counting(self, region, target, checksum, checksummer):
+    def counting(self, region, target, checksum, host_threads):
         copies.append(len(region))
-        return original(self, region, target, checksum, checksummer)
+        return original(self, region, target, checksum, host_threads)
 
     monkeypatch.setattr(DeviceLoads, "copy", counting)
     target = {k: torch.zeros_like(v, device=gpu.device) for k, v in state.items()}
@@ -63,7 +63,7 @@ def test_gpu_load_lands_in_page_locked_buffers_and_is_bit_exact(tmp_path, gpu, m
     contiguous = sum(v.nbytes for k, v in state.items() if k != "transposed")
     assert sum(copies) == contiguous  # every contiguous target's bytes crossed as copies...
     assert max(copies) <= SMALL.buffer_size  # ...out of staging buffers, no whole-item intermediate
-    pool = reader._io.get()[1]
+    pool = reader._resources.io.context().pool
     assert all(gpu.page_locked(view) for view in pool.views)
 
 
@@ -78,7 +78,7 @@ def test_readers_made_anew_for_each_gpu_load_take_page_locked_buffers(tmp_path, 
         reader = gpu.reader(tmp_path / "ck", config=SMALL)
         dcp.load(target, storage_reader=reader)
         assert all(same_bytes(target[k].cpu(), v) for k, v in state.items())
-        pool = reader._io.get()[1]
+        pool = reader._resources.io.context().pool
         assert all(gpu.page_locked(view) for view in pool.views)
         seen.append([_cio.address(view) for view in pool.views])
         del reader, pool
@@ -105,13 +105,13 @@ def test_gpu_load_without_the_crc_kernel_checksums_over_the_host_threads(tmp_pat
     for kernel in (DeviceCrc, ModelCrc):
         monkeypatch.setattr(kernel, "ready", lambda self, side: False)
     summed: list[int] = []
-    original = Checksummer.crc32c
+    original = HostThreads.crc32c
 
     def spy(self, data, crc=0, hasher=None):
         summed.append(data.nbytes)
         return original(self, data, crc, hasher)
 
-    monkeypatch.setattr(Checksummer, "crc32c", spy)
+    monkeypatch.setattr(HostThreads, "crc32c", spy)
     state = {"big": torch.randn(3 * MIN_SLICE // 4), "small": torch.arange(100)}
     save(state, tmp_path / "ck")
     config = IOConfig(host_threads=2)
@@ -164,7 +164,7 @@ def _load_shared_into_device(rank: int, world: int, path: str) -> bool:
     os.environ["FP_DCP_NODE"] = f"node{rank % 2}"
     double = CudaRuntimeDouble()
     fp_dcp.io.buffers._allocate = double.tracking(fp_dcp.io.buffers._allocate)
-    fp_dcp.load.reader.DeviceLoads = CpuTargetsAsDevice
+    fp_dcp.load.resources.DeviceLoads = CpuTargetsAsDevice
     g = torch.Generator().manual_seed(9)
     expected = {f"w{i}": torch.randn(300, 301, generator=g) for i in range(4)}
     target = {k: torch.zeros_like(v) for k, v in expected.items()}

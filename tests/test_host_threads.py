@@ -1,4 +1,4 @@
-"""The host threads beside the I/O: copies and checksums split over several (``io.checksum``), and load targets
+"""The host threads beside the I/O: copies and checksums split over several (``io.host_threads``), and load targets
 faulted in ahead of the reads (``io.prefault``)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fp_dcp import CorruptCheckpointError, IOConfig
 from fp_dcp._native import _cio
-from fp_dcp.io import checksum, prefault
-from fp_dcp.io.checksum import BOUNCE, MIN_SLICE, Checksummer
+from fp_dcp.io import host_threads, prefault
 from fp_dcp.io.device import filesystem_of
 from fp_dcp.io.files import ShortReadError, open_file
+from fp_dcp.io.host_threads import BOUNCE, MIN_SLICE, HostThreads
 from fp_dcp.tools.workload import evict
 
 
@@ -30,7 +30,7 @@ from fp_dcp.tools.workload import evict
 def test_sliced_checksums_and_copies_equal_one_pass(threads, size):
     data = os.urandom(size + 3)
     src = memoryview(data)[3:]  # an unaligned start
-    summer = Checksummer(threads)
+    summer = HostThreads(threads)
     try:
         assert summer.crc32c(src) == _cio.crc32c(src)
         assert summer.crc32c(src, 0x1234) == _cio.crc32c(src, 0x1234)  # continuing a running checksum
@@ -50,7 +50,7 @@ def test_reads_through_a_small_buffer_equal_one_pass(tmp_path, threads, size):
     data = os.urandom(size + 100)
     (tmp_path / "f").write_bytes(data)
     f = open_file(str(tmp_path / "f"), create=False, direct=False)
-    summer = Checksummer(threads)
+    summer = HostThreads(threads)
     try:
         dst = bytearray(size)
         assert summer.read_crc32c(f, 37, memoryview(dst), 0x99) == _cio.crc32c(data[37 : 37 + size], 0x99)
@@ -69,7 +69,7 @@ def test_reads_through_a_small_buffer_equal_one_pass(tmp_path, threads, size):
 def test_a_failing_slice_returns_only_after_every_other_slice_ended():
     """A slice that fails at once, this thread's or a pool thread's, must not leave the others writing into
     memory the caller goes on to release."""
-    summer = Checksummer(3)
+    summer = HostThreads(3)
     try:
         for failing in (0, MIN_SLICE):
             ended: list[int] = []
@@ -91,15 +91,15 @@ def test_a_failing_slice_returns_only_after_every_other_slice_ended():
 
 @pytest.fixture
 def read(monkeypatch) -> list[int]:
-    """The bytes of each ``Checksummer.read_crc32c`` call: what a load read from memory through the threads."""
+    """The bytes of each ``HostThreads.read_crc32c`` call: what a load read from memory through the threads."""
     calls: list[int] = []
-    real = Checksummer.read_crc32c
+    real = HostThreads.read_crc32c
 
     def spy(self, f, offset, dst, crc=0):
         calls.append(dst.nbytes)
         return real(self, f, offset, dst, crc)
 
-    monkeypatch.setattr(Checksummer, "read_crc32c", spy)
+    monkeypatch.setattr(HostThreads, "read_crc32c", spy)
     return calls
 
 
@@ -175,8 +175,8 @@ def test_large_ranges_are_split_over_the_threads(monkeypatch):
         calls.append((threading.current_thread().name, len(args[0])))
         return real(*args)
 
-    monkeypatch.setattr(checksum._cio, "crc32c", recording)
-    summer = Checksummer(3)
+    monkeypatch.setattr(host_threads._cio, "crc32c", recording)
+    summer = HostThreads(3)
     data = os.urandom(3 * MIN_SLICE)
     assert summer.crc32c(memoryview(data)) == real(data)
     summer.close()
@@ -184,12 +184,12 @@ def test_large_ranges_are_split_over_the_threads(monkeypatch):
     here = threading.current_thread().name
     assert [n for who, n in calls if who == here] == [MIN_SLICE]  # ...one in the calling thread, two elsewhere
     calls.clear()
-    assert Checksummer(3).crc32c(memoryview(data[: MIN_SLICE + 1])) == real(data[: MIN_SLICE + 1])
+    assert HostThreads(3).crc32c(memoryview(data[: MIN_SLICE + 1])) == real(data[: MIN_SLICE + 1])
     assert calls == [(here, MIN_SLICE + 1)]  # too small to be worth a second thread
 
 
 def test_run_all_runs_the_tasks_at_once_and_raises_the_first_failure_once_all_ended():
-    summer = Checksummer(3)
+    summer = HostThreads(3)
     try:
         together = threading.Barrier(3, timeout=30)  # breaks unless all three run at once
         seen: list[str] = []
@@ -220,7 +220,7 @@ def test_run_all_runs_the_tasks_at_once_and_raises_the_first_failure_once_all_en
 def test_a_running_content_hash_keeps_the_pass_in_one_thread():
     data = memoryview(os.urandom(3 * MIN_SLICE))
     ours, reference = _cio.Hash128(), _cio.Hash128()
-    summer = Checksummer(4)
+    summer = HostThreads(4)
     dst = bytearray(len(data))
     assert summer.copy_crc32c(memoryview(dst), data, 0, ours) == _cio.crc32c(data, 0, reference)
     assert ours.hexdigest() == reference.hexdigest() and dst == data

@@ -128,7 +128,7 @@ def test_auto_lanes_write_several_files_where_the_page_cache_copies(tmp_path, mo
     config = IOConfig(direct_io=False, host_threads=threads)
     writer = save(state_of(3), tmp_path / "ckpt", data_dirs=dirs, config=config)
     assert len(writer.last_save.files) == files
-    assert writer._io.get()[1].count >= 2 * files
+    assert writer._resources.io.context().pool.count >= 2 * files
     assert_loads(tmp_path / "ckpt", 3, data_dirs=dirs)
 
 
@@ -199,8 +199,8 @@ def test_a_writer_whose_saves_grow_to_more_files_gets_a_larger_pool(tmp_path, mo
     config = IOConfig(direct_io=False, host_threads=2, num_buffers=2)
     with FastPersistWriter(tmp_path / "ckpt", config=config) as writer:
         dcp.save(state_of(6), storage_writer=writer)  # small: one file, the configured two buffers
-        assert len(writer.last_save.files) == 1 and writer._io.get()[1].count == 2
+        assert len(writer.last_save.files) == 1 and writer._resources.io.context().pool.count == 2
         monkeypatch.setattr(placement, "LANE_BYTES", 1024)
         dcp.save(state_of(7), storage_writer=writer)  # four files now: two buffers each
-        assert len(writer.last_save.files) == 4 and writer._io.get()[1].count == 8
+        assert len(writer.last_save.files) == 4 and writer._resources.io.context().pool.count == 8
     assert_loads(tmp_path / "ckpt", 7)

@@ -70,7 +70,7 @@ def mixed_state() -> dict:
 
 
 def pool_of(writer: FastPersistWriter):
-    return writer._io.get()[1]
+    return writer._resources.io.context().pool
 
 
 # ---------------------------------------------------------------- the GPU code path, on CPU
@@ -496,7 +496,7 @@ def test_gpu_side_stream_waits_for_the_values(tmp_path, gpu):
     target = {"x": torch.zeros(4 << 20)}
     load(target, tmp_path)
     assert torch.all(target["x"] == 7.0)
-    side = writer._staging.side_stream(x.device)
+    side = writer._resources.staging.side_stream(x.device)
     if on_cuda:
         assert side.stream != producer and side.stream != torch.cuda.default_stream()
 

@@ -19,8 +19,8 @@ from fp_dcp import FastPersistReader, IOConfig
 from fp_dcp._native import _cio
 from fp_dcp.errors import CorruptCheckpointError
 from fp_dcp.io import userfault
-from fp_dcp.io.checksum import MIN_SLICE, Checksummer
 from fp_dcp.io.files import kernel_copies
+from fp_dcp.io.host_threads import MIN_SLICE, HostThreads
 from fp_dcp.io.userfault import UserfaultFiller
 from fp_dcp.tools.fio import huge_pages
 
@@ -182,11 +182,11 @@ def test_copies_split_over_threads_fill_the_same_bytes_and_crc(filler):
     dst = view[PAGE - 33 : PAGE - 33 + size]
     assert filler.register(dst)
     src = memoryview(bytearray(os.urandom(size)))
-    checksummer = Checksummer(4)
+    host_threads = HostThreads(4)
     try:
-        assert checksummer.copy_crc32c(dst, src, 7, into=filler) == _cio.crc32c(src, 7)
+        assert host_threads.copy_crc32c(dst, src, 7, into=filler) == _cio.crc32c(src, 7)
     finally:
-        checksummer.close()
+        host_threads.close()
     assert bytes(dst) == bytes(src)
     dst.release()
     view.release()

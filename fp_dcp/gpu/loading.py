@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..io.buffers import BufferPool
-from ..io.checksum import Checksummer
+from ..io.host_threads import HostThreads
 from .crc import Checksummed, Checksums
 from .memory import SideStream, page_lock
 from .route import DeviceMemory
@@ -57,14 +57,14 @@ class DeviceLoads(DeviceMemory):
         region: memoryview,
         target: torch.Tensor,
         checksum: Checksummed | None,
-        checksummer: Checksummer,
+        host_threads: HostThreads,
     ) -> None:
         """Queue the copy of ``region`` (staging memory) into ``target`` (its bytes, flat, on a device).
 
         ``checksum``: the item whose running CRC-32C these bytes continue,
         computed on the device once they landed (its value is there after
         ``settle``), or by the host now, while they cross, where the kernel
-        cannot run: over ``checksummer``'s threads (one core checksums far
+        cannot run: over ``host_threads`` (one core checksums far
         slower than the bus carries: docs/benchmarks.md, "Figures behind
         design comments").
         """
@@ -81,7 +81,7 @@ class DeviceLoads(DeviceMemory):
         if self.crc().ready(side):
             self._checks.setdefault(side, Checksums(self.crc(), side)).add(checksum, target)
         else:
-            checksum.crc = checksummer.crc32c(region, checksum.crc)
+            checksum.crc = host_threads.crc32c(region, checksum.crc)
 
     def settle(self) -> None:
         """Wait for every copy queued so far, and the checksums of what they brought: the staging memory they

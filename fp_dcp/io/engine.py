@@ -33,10 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .._native import _cio, missing
 from ..config import IOConfig
 from ..log import log_once
-from .buffers import BufferPool
-from .checksum import Checksummer
-from .files import DataFile, ShortReadError, short_read
-from .prefault import Prefaulter
+from .files import DataFile, ShortReadError, preallocate, short_read
 
 __all__ = [
     "ShortReadError",
@@ -45,8 +42,8 @@ __all__ = [
     "UringEngine",
     "ThreadEngine",
     "NullEngine",
-    "IOResources",
     "create_engine",
+    "engine_stores",
 ]
 
 FAULT_ENV = "FP_DCP_FAULT_AT"
@@ -77,7 +74,10 @@ class Engine(ABC):
     ``write``/``read`` queue the transfer and return at once; the memory must
     stay untouched until ``wait`` on the returned ticket has returned.
     ``fallback_reason`` says why ``auto`` did not pick io_uring (None if it did).
-    ``stores``: whether what is written can be read back (not so for ``NullEngine``).
+    ``stores``: whether what is written is kept, to be read back (not so for ``NullEngine``): a save through an
+    engine that keeps nothing takes over no files, has no other hands write its files and publishes nothing.
+    ``fault_at``: the request, counted from 1, that fails with EIO (``create_engine`` sets it from
+    ``FP_DCP_FAULT_AT``); None: none does.
     """
 
     name: str
@@ -86,9 +86,7 @@ class Engine(ABC):
     def __init__(self, config: IOConfig) -> None:
         self.block_size = config.block_size
         self.fallback_reason: str | None = None
-        # Test hook (documented in docs/reliability.md): the k-th request fails with EIO.
-        fault = os.environ.get(FAULT_ENV)
-        self.fault_at: int | None = int(fault) if fault else None
+        self.fault_at: int | None = None
         self._requests = 0
 
     def write(self, file: DataFile, data: memoryview, offset: int) -> Ticket:
@@ -129,6 +127,17 @@ class Engine(ABC):
     @abstractmethod
     def sync(self, files: Sequence[DataFile]) -> None:
         """fsync every file (in parallel where the engine can), raising the first error."""
+
+    def preallocate(self, files: Sequence[DataFile], sizes: Sequence[int], threads: int) -> None:
+        """Reserve each file's size now, so that a full disk fails cleanly before any data is written; up to
+        ``threads`` files at once: on tmpfs an allocation clears the memory it takes."""
+        if len(files) <= 1 or threads == 1:
+            for f, size in zip(files, sizes, strict=True):
+                preallocate(f, size)
+            return
+        with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
+            for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
+                task.result()
 
     @abstractmethod
     def drain(self) -> None:
@@ -350,6 +359,9 @@ class NullEngine(Engine):
     def sync(self, files: Sequence[DataFile]) -> None:
         pass
 
+    def preallocate(self, files: Sequence[DataFile], sizes: Sequence[int], threads: int) -> None:
+        pass  # nothing is kept, so nothing is reserved
+
     def drain(self) -> None:
         pass
 
@@ -357,12 +369,25 @@ class NullEngine(Engine):
         pass
 
 
+def engine_stores(config: IOConfig) -> bool:
+    """Whether the engine ``config`` asks for keeps what is written (``Engine.stores``), known before it is made:
+    every engine but the null sink."""
+    return config.engine != "null"
+
+
 def create_engine(config: IOConfig) -> Engine:
     """The engine ``config.engine`` asks for; ``auto`` falls back to threads, saying why once. The first engine
     of a process also says, once, what the build lacks: a source build's own report scrolls past in pip's
-    hidden output."""
+    hidden output. The test hook ``FP_DCP_FAULT_AT`` (docs/reliability.md) is read here, once per engine."""
     for library in missing():
         log_once(library.absence())
+    engine = _make(config)
+    fault = os.environ.get(FAULT_ENV)
+    engine.fault_at = int(fault) if fault else None
+    return engine
+
+
+def _make(config: IOConfig) -> Engine:
     if config.engine == "threads":
         return ThreadEngine(config)
     if config.engine == "null":
@@ -380,45 +405,3 @@ def create_engine(config: IOConfig) -> Engine:
     engine = ThreadEngine(config)
     engine.fallback_reason = reason
     return engine
-
-
-class IOResources:
-    """An engine and a staging-buffer pool, created on first use and kept until ``close``, and the host
-    threads beside them: ``checksummer`` (copies and checksums over several threads) and ``prefaulter``
-    (load targets faulted in ahead of the reads; no threads where ``prepare_targets`` is off)."""
-
-    def __init__(self, config: IOConfig) -> None:
-        self.config = config
-        self._engine: Engine | None = None
-        self._pool: BufferPool | None = None
-        threads = config.threads()
-        self.checksummer = Checksummer(threads)
-        self.prefaulter = Prefaulter(threads if config.prepare_targets else 0)
-
-    def get(self, min_buffers: int = 0) -> tuple[Engine, BufferPool]:
-        """The engine and the pool: ``num_buffers`` buffers, or ``min_buffers`` where that is more. A writer asks
-        for two per file it writes at once, one filling while another is written: with fewer, saves staged from
-        a GPU into 8 directories on tmpfs kept fewer writes in flight than files and fell well short of fio's 8
-        jobs (docs/benchmarks.md, "Figures behind design comments"). Made at the first call and kept; made
-        anew, larger, where a later call asks for more (call it between transfers)."""
-        if self._pool is not None and self._pool.count < min_buffers:
-            self.close_pool()
-        if self._engine is None or self._pool is None:
-            engine = self._engine = create_engine(self.config)
-            count = max(self.config.num_buffers, min_buffers)
-            self._pool = BufferPool(self.config.buffer_size, count, on_map=engine.register_buffers)
-        return self._engine, self._pool
-
-    def close_pool(self) -> None:
-        """Close the engine and the pool (a later ``get`` makes them anew)."""
-        if self._engine is not None:
-            self._engine.close()  # first: the ring holds the buffers while registered
-            self._engine = None
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-    def close(self) -> None:
-        self.close_pool()
-        self.prefaulter.close()
-        self.checksummer.close()

@@ -22,14 +22,13 @@ from ..compat import DCP_HIDES_METADATA_ERRORS
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
 from ..format import METADATA_NAME, chunk_nbytes
-from ..gpu.loading import DeviceLoads
-from ..io.buffers import BufferPool
-from ..io.engine import Engine, IOResources
 from ..log import log
 from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .catalog import Catalog, FastPersistCatalog
+from .context import ReadContext
 from .pipeline import ReadCounts, read_items
+from .resources import ReaderResources
 from .safetensors import open_safetensors
 from .sharing import Exchange, plan_exchange, read_shared
 
@@ -148,8 +147,7 @@ class FastPersistReader(StorageReader):
         self._metadata_crc: int | None = None  # of the .metadata this load read (None: a safetensors checkpoint)
         self._stock: FileSystemReader | None = None  # set when the checkpoint is torch FileSystemWriter's
         self._stock_metadata = Metadata({})
-        self._io = IOResources(self.config)
-        self._uploads = DeviceLoads()  # GPU targets: page-locked staging, side streams
+        self._resources = ReaderResources(self.config)  # engine, pool, host threads, device loads: kept
         self.share = share
         self.process_group = process_group
         self._may_share = False  # whether this load's ranks plan an exchange (several ranks, ``share`` allows)
@@ -249,29 +247,27 @@ class FastPersistReader(StorageReader):
         elif self._catalog is None:
             raise RuntimeError("FastPersistReader.read_data called before read_metadata")
         else:
-            io_engine, pool = self._io.get()
+            ctx = self._resources.context(self.verify_checksums)
             try:
-                counts, received = self._read(plan, planner, self._catalog, io_engine, pool)
+                counts, received = self._read(plan, planner, self._catalog, ctx)
             except CorruptCheckpointError as e:
                 if self._replaced():
                     raise CheckpointReplacedError(
                         f"{self.path} was replaced by a newer save while this load read it; load again"
                     ) from e
                 raise
-            engine = io_engine.describe()
+            engine = ctx.engine.describe()
         seconds = time.perf_counter() - start
         self.last_load = LoadSummary(counts.read, counts.needed, seconds, engine, received, counts.requests)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read(
-        self, plan: LoadPlan, planner: LoadPlanner, catalog: Catalog, engine: Engine, pool: BufferPool
-    ) -> tuple[ReadCounts, int]:
+    def _read(self, plan: LoadPlan, planner: LoadPlanner, catalog: Catalog, ctx: ReadContext) -> tuple[ReadCounts, int]:
         """Read the plan's items, shared ones through the exchange; returns the storage reads and bytes received."""
         exchange = plan.storage_data if isinstance(plan.storage_data, Exchange) else None
         if exchange is None:
-            return self._read_own(plan.items, planner, catalog, engine, pool), 0
+            return read_items(plan.items, planner, catalog, ctx), 0
         # every rank got the same global plan, so all of them make the group here, or none: a job on one node
         # (share="auto") never makes one
         transport = Transport(_sharing_group(self.process_group))
@@ -281,30 +277,8 @@ class FastPersistReader(StorageReader):
             loc = catalog.location(req)
             (shared if (loc.file, loc.offset) in exchange.readers else own).append(req)
         # the exchange first: a failure in this rank's own reads must not leave the others waiting in it
-        peers, received = read_shared(
-            shared, exchange, planner, catalog, engine, pool, self.config, transport, self._uploads
-        )
-        counts = self._read_own(own, planner, catalog, engine, pool)
-        total = ReadCounts(counts.read + peers.read, counts.needed + peers.needed, counts.requests + peers.requests)
-        return total, received
-
-    def _read_own(
-        self, items: list[ReadItem], planner: LoadPlanner, catalog: Catalog, engine: Engine, pool: BufferPool
-    ) -> ReadCounts:
-        """Read ``items`` from storage, this rank's own reads."""
-        io = self._io
-        return read_items(
-            items,
-            planner,
-            catalog,
-            engine,
-            pool,
-            self.config,
-            self.verify_checksums,
-            self._uploads,
-            io.checksummer,
-            io.prefaulter,
-        )
+        peers, received = read_shared(shared, exchange, planner, catalog, ctx, transport)
+        return read_items(own, planner, catalog, ctx) + peers, received
 
     def _needed(self, item: ReadItem) -> int:
         """Bytes of the region a stock checkpoint's ReadItem asks for (the whole record for objects)."""
@@ -336,7 +310,7 @@ class FastPersistReader(StorageReader):
 
     def close(self) -> None:
         """Release the staging buffers and the I/O engine."""
-        self._io.close()
+        self._resources.close()
 
     def __enter__(self) -> FastPersistReader:
         return self

@@ -176,7 +176,7 @@ def verify_safetensors(
     hashed: list[str] = []
     io = scan_resources(max(sizes.values(), default=1))
     try:
-        engine, pool = io.get()
+        ctx = io.context()
         for file, size in sizes.items():
             recorded = recorded_hash(file)
             whole = _Hashing(size, recorded)
@@ -184,7 +184,7 @@ def verify_safetensors(
             try:
                 f = open_file(file, create=False, direct=None)
                 try:
-                    scan_ranges(engine, f, pool, [whole], tracker, end=size)
+                    scan_ranges(ctx, f, [whole], tracker, end=size)
                 finally:
                     f.close()
             except OSError as e:

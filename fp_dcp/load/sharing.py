@@ -35,16 +35,15 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, describe_item
-from ..gpu.loading import DeviceLoads
-from ..io.buffers import BufferPool
-from ..io.engine import Engine
+from ..io.host_threads import ONE_THREAD
 from ..net.transport import MemorySink, MemorySource, Transfer, Transport
 from ..units import MiB
 from .catalog import Catalog
-from .pipeline import ReadCounts, fill_from_bytes, read_items
+from .context import ReadContext
+from .pipeline import ReadCounts, read_items
+from .targets import fill_from_bytes
 
 __all__ = ["Exchange", "plan_exchange", "read_shared", "WINDOW"]
 
@@ -161,11 +160,8 @@ def read_shared(
     exchange: Exchange,
     planner: LoadPlanner,
     catalog: Catalog,
-    engine: Engine,
-    pool: BufferPool,
-    config: IOConfig,
+    ctx: ReadContext,
     transport: Transport,
-    uploads: DeviceLoads,
 ) -> tuple[ReadCounts, int]:
     """This rank's part of the exchange: read what it reads, send and receive, fill its own requests.
 
@@ -183,10 +179,8 @@ def read_shared(
     received = needed = 0
     errors: list[str] = []
     for window in exchange.windows():
-        data, read = _read_window(
-            [k for k in window if exchange.readers[k] == rank], index_of, catalog, engine, pool, config, errors
-        )
-        counts = ReadCounts(counts.read + read.read, counts.needed + read.needed, counts.requests + read.requests)
+        data, read = _read_window([k for k in window if exchange.readers[k] == rank], index_of, catalog, ctx, errors)
+        counts += read
         received += _send_and_receive(window, exchange, data, transport, errors)
         for key in window:
             for req in wanted.get(key, []):
@@ -195,7 +189,7 @@ def read_shared(
                         raise CorruptCheckpointError(
                             f"{describe_item(*index_of[key])}: not read (see the errors above)"
                         )
-                    needed += fill_from_bytes(req, planner, catalog, data[key], uploads, pool)
+                    needed += fill_from_bytes(req, planner, catalog, data[key], ctx)
                 except CorruptCheckpointError as e:
                     errors.append(f"{e} (read by rank {exchange.readers[key]})")
     if errors:
@@ -253,15 +247,15 @@ def _read_window(
     keys: list[Key],
     index_of: dict[Key, tuple[MetadataIndex, ItemLocation]],
     catalog: Catalog,
-    engine: Engine,
-    pool: BufferPool,
-    config: IOConfig,
+    ctx: ReadContext,
     errors: list[str],
 ) -> tuple[dict[Key, memoryview], ReadCounts]:
     """The items this rank reads in one window, whole and checked; a damaged one is left out (in ``errors``)."""
     capture = _Capture(catalog)
+    # into memory of the capture's own, on the host: checked, copied and checksummed in this thread, not prefaulted
+    whole = dataclasses.replace(ctx, host_threads=ONE_THREAD, prefaulter=None, device_loads=None, verify=True)
     try:
-        counts = read_items([capture.whole(index_of[k][0]) for k in keys], capture, catalog, engine, pool, config, True)
+        counts = read_items([capture.whole(index_of[k][0]) for k in keys], capture, catalog, whole)
     except CorruptCheckpointError:
         # tell which items are damaged: read them one by one (rare: only a damaged checkpoint gets here)
         capture.got.clear()
@@ -269,10 +263,8 @@ def _read_window(
         for key in keys:
             index = index_of[key][0]
             try:
-                c = read_items([capture.whole(index)], capture, catalog, engine, pool, config, True)
+                counts += read_items([capture.whole(index)], capture, catalog, whole)
             except CorruptCheckpointError as e:
                 capture.got.pop(index, None)  # its memory was handed out before its check failed
                 errors.append(str(e))
-                continue
-            counts = ReadCounts(counts.read + c.read, counts.needed + c.needed, counts.requests + c.requests)
     return {k: capture.got[index_of[k][0]] for k in keys if index_of[k][0] in capture.got}, counts

@@ -19,8 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from .._native import _cio
 from ..checkpoint import Checkpoint
 from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
-from ..io.buffers import BufferPool
-from ..io.engine import Engine
+from ..io.context import IOContext
 from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile
 from ..io.progress import Progress
@@ -174,12 +173,7 @@ class StreamCheck:
 
 
 def scan_ranges(
-    engine: Engine,
-    f: DataFile,
-    pool: BufferPool,
-    segments: Sequence[FedRange],
-    progress: Progress,
-    end: int | None = None,
+    io: IOContext, f: DataFile, segments: Sequence[FedRange], progress: Progress, end: int | None = None
 ) -> None:
     """Read the bytes the segments cover (in file order) through the read pipeline's window, feeding each.
 
@@ -192,7 +186,8 @@ def scan_ranges(
             segment.feed(buffer[buf_offset : buf_offset + length], segment.start + at)
 
     pieces = (Piece(s.start, s.stop - s.start, s, 0, None) for s in segments)
-    window = Window(engine, pool, retire, pool.count, progress)
+    engine, pool = io.engine, io.pool
+    window = Window(engine, pool, retire, pool.count, progress)  # one read in flight per buffer
     try:
         for extent in plan_extents(pieces, f.align, pool.size, pool.size, 0.0):
             buffer = window.stage(extent.length)

@@ -52,8 +52,7 @@ from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_che
 from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, describe_item
-from ..io.buffers import BufferPool
-from ..io.engine import Engine, IOResources
+from ..io.context import IOContext, IOResources
 from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
 from ..structure import nesting_fault
@@ -148,12 +147,14 @@ def verify_checkpoint(
     checked = 0
     io = scan_resources(max(catalog.file_sizes.values(), default=1))
     try:
-        engine, pool = io.get()
+        ctx = io.context()
         for name, items in present.items():
             size = catalog.file_sizes[name]
             before = tracker.done
             whole = name not in checkpoint.owners
-            checked += _verify_file(catalog.paths[name], size, items, whole, engine, pool, tracker, problems)
+            nbytes, found = _verify_file(catalog.paths[name], size, items, whole, ctx, tracker)
+            checked += nbytes
+            problems += found
             tracker.advance(size - (tracker.done - before))  # bytes a short or missing file could not give
     finally:
         io.close()
@@ -222,30 +223,24 @@ def _absent_from_node(checkpoint: Checkpoint) -> tuple[set[str], str]:
 
 
 def _verify_file(
-    path: str,
-    expected: int,
-    items: list[Item],
-    whole: bool,
-    engine: Engine,
-    pool: BufferPool,
-    tracker: Progress,
-    problems: list[str],
-) -> int:
-    """Check one data file (``whole``: its padding too), adding to ``problems``; returns the item bytes checked."""
+    path: str, expected: int, items: list[Item], whole: bool, io: IOContext, tracker: Progress
+) -> tuple[int, list[str]]:
+    """Check one data file (``whole``: its padding too); returns the item bytes checked and the problems found."""
     name = os.path.basename(path)
+    problems: list[str] = []
     try:
         f = open_file(path, create=False, direct=None)
     except FileNotFoundError:
         problems.append(f"data file {path} is missing; {_holds(items)}")
-        return 0
+        return 0, problems
     except OSError as e:
         problems.append(f"data file {path} cannot be opened ({e.strerror}); {_holds(items)}")
-        return 0
+        return 0, problems
     try:
         status = os.fstat(f.fd)
         if not stat.S_ISREG(status.st_mode):  # a directory where the rules find the file
             problems.append(f"data file {path} is not a regular file; {_holds(items)}")
-            return 0
+            return 0, problems
         size = status.st_size
         if size < expected:
             problems.append(f"data file {path} is truncated: {size} bytes, written as {expected}")
@@ -257,14 +252,14 @@ def _verify_file(
             f.close()
             f = open_file(path, create=False, direct=False)
         try:
-            scan_ranges(engine, f, pool, segments, tracker)
+            scan_ranges(io, f, segments, tracker)
         except OSError as e:  # CorruptCheckpointError too, if the file shrinks while being read
             problems.append(f"data file {path} could not be read ({e}); {_holds(items)}")
-            return 0
+            return 0, problems
     finally:
         f.close()
     problems += filter(None, (segment.problem(path) for segment in segments))
-    return nbytes
+    return nbytes, problems
 
 
 def _holds(items: list[Item]) -> str:

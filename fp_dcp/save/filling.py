@@ -12,9 +12,9 @@ import mmap
 import os
 
 from ..gpu.copier import DeviceCopier
-from ..io.checksum import Checksummer
 from ..io.extents import Extent
 from ..io.files import DataFile
+from ..io.host_threads import HostThreads
 
 __all__ = ["fill", "write_all", "zero_file", "zero_stale"]
 
@@ -28,12 +28,12 @@ def _zero(buf: memoryview, start: int, stop: int) -> None:
         start += n
 
 
-def fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, checksum: Checksummer) -> memoryview:
+def fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, host_threads: HostThreads) -> memoryview:
     """Copy a staged extent's parts into ``buffer`` at their positions, each owner's CRC-32C continued as they go;
     zero the rest.
 
-    Device parts are copied by the copier while the host fills the rest,
-    then checksummed as their copies complete.
+    Device parts are copied by the copier while the host fills the rest
+    (over ``host_threads``), then checksummed as their copies complete.
     """
     batch = copier.issue(buffer, extent)
     try:
@@ -43,7 +43,7 @@ def fill(buffer: memoryview, extent: Extent, copier: DeviceCopier, checksum: Che
             cursor = buf_offset + length
             if batch is None or owner not in batch:
                 owner.crc = owner.source.copy_into(
-                    buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher, checksum
+                    buffer[buf_offset:cursor], owner_offset, owner.crc, owner.hasher, host_threads
                 )
         _zero(buffer, cursor, extent.length)
     except BaseException:

@@ -10,10 +10,12 @@ copy the kernel makes (tmpfs, the page cache), the host threads write them
 instead (``save.thread_writes``). The file is fsynced before
 the results are returned; on any failure the files are removed.
 
-A ``DeviceCopier`` copies the device parts of staged extents (the CPU one
-copies nothing; ``fp_dcp.gpu.streaming`` has the GPU one), and the save's
-``SaveControls`` can cancel it between extents and are told when every
-source has been read.
+Everything a save writes with comes in one ``WriteContext``: the engine, its
+pool and the host threads, the settings, a ``DeviceCopier`` that copies the
+device parts of staged extents (the CPU one copies nothing;
+``fp_dcp.gpu.streaming`` has the GPU one), and the save's ``SaveControls``,
+which can cancel it between extents and are told when every source has been
+read.
 
 In an incremental save (``fp_dcp.save.incremental``) the items unchanged
 since its base are found first and only referenced; the others are written,
@@ -27,7 +29,6 @@ import io
 import itertools
 import os
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +36,14 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._native import _cio
-from ..config import IOConfig
 from ..format import ItemLocation, layout, stored_nbytes
 from ..gpu.copier import DeviceCopier
-from ..io.buffers import BufferPool
-from ..io.checksum import Checksummer
 from ..io.dealing import deal
-from ..io.engine import Engine
 from ..io.extents import Extent, Piece, Window, interleave, plan_extents
-from ..io.files import DataFile, in_place, open_file, preallocate
+from ..io.files import DataFile, in_place, open_file
 from ..io.progress import Progress
 from ..tensors import ByteSource, check_storable
-from .controls import SaveControls
+from .context import WriteContext
 from .filling import fill, zero_file, zero_stale
 from .incremental import Incremental, sample_digest
 from .thread_writes import threads_write, write_by_threads
@@ -134,13 +131,8 @@ def write_files(
     write_items: list[WriteItem],
     paths: list[str],
     planner: SavePlanner,
-    engine: Engine,
-    pool: BufferPool,
-    config: IOConfig,
-    controls: SaveControls,
-    copier: DeviceCopier,
+    ctx: WriteContext,
     incremental: Incremental | None = None,
-    checksummer: Checksummer | None = None,
     reuse: Callable[[list[str]], Collection[str]] | None = None,
 ) -> tuple[list[WriteResult], list[FileWritten]]:
     """Write the items, dealt over new files at ``paths`` (those that get none are not made), durably.
@@ -152,8 +144,8 @@ def write_files(
     Returns the items' results, whose ``storage_data`` is (an ``ItemLocation``
     as a tuple, whether it is a reference into the incremental base).
     """
-    resolved = [resolve(wi, planner, pool.size, copier) for wi in write_items]
-    copier.prepare(pool, [it.source for it in resolved])
+    resolved = [resolve(wi, planner, ctx.pool.size, ctx.copier) for wi in write_items]
+    ctx.copier.prepare(ctx.pool, [it.source for it in resolved])
     references: dict[int, ItemLocation] = {}
     if incremental is not None:
         tensors = [it for it in resolved if it.write_item.type != WriteItemType.BYTE_IO]
@@ -170,13 +162,13 @@ def write_files(
     for path, items in zip(paths, _split(to_write, len(paths)), strict=True):
         if not items:
             continue
-        offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], config.direct_min)
+        offsets, size = layout([(it.source.nbytes, it.source.address) for it in items], ctx.config.direct_min)
         for it, offset in zip(items, offsets, strict=True):
             it.offset = offset
         plans.append((path, items, size))
 
     reused = reuse([path for path, _, _ in plans]) if reuse is not None else ()
-    directs = write_laid_out(plans, engine, pool, config, controls, copier, checksummer, reused)
+    directs = write_laid_out(plans, ctx, reused)
 
     results = []
     written = []
@@ -194,14 +186,7 @@ def write_files(
 
 
 def write_laid_out(
-    plans: Sequence[tuple[str, Sequence[Placed], int]],
-    engine: Engine,
-    pool: BufferPool,
-    config: IOConfig,
-    controls: SaveControls,
-    copier: DeviceCopier,
-    checksummer: Checksummer | None = None,
-    reused: Collection[str] = (),
+    plans: Sequence[tuple[str, Sequence[Placed], int]], ctx: WriteContext, reused: Collection[str] = ()
 ) -> list[bool]:
     """Create each file ``(path, items, size)``, write its items (in file order) at their offsets, make it
     ``size`` bytes, durably. A path in ``reused`` is an existing file, overwritten: its old bytes outside the
@@ -211,34 +196,32 @@ def write_laid_out(
     written at the same time; where the kernel copies every byte (tmpfs, the
     page cache) the host threads write them, each its own files
     (``save.thread_writes``). The bytes between items are zeros. On failure
-    every file is removed. ``controls.released()`` is called once no
+    every file is removed. ``ctx.controls.released()`` is called once no
     transfer reads tensor memory any more: after the last staged extent was
     filled or, when extents were written straight from tensor memory, once
-    those writes completed. ``checksummer`` copies and checksums over several
-    threads (None: this one). Returns whether each file was written with O_DIRECT.
+    those writes completed. Returns whether each file was written with O_DIRECT.
     """
-    checksum = checksummer or Checksummer(1)
+    engine, pool, config = ctx.engine, ctx.pool, ctx.config
     files: list[DataFile] = []
     progress = Progress("save", sum(it.source.nbytes for _, items, _ in plans for it in items))
-    window = Window(engine, pool, lambda extent, buffer: None, config.queue_depth + pool.count, progress)
+    window = ctx.window(lambda extent, buffer: None, progress)
     try:
         for path, _, _ in plans:
             files.append(open_file(path, create=True, direct=config.direct_io, reuse=path in reused))
         stale = {f: 0 for f in files if f.path in reused}  # reused files: where their old bytes start
-        if engine.stores:
-            _preallocate(files, [size for _, _, size in plans], checksum.threads)
+        engine.preallocate(files, [size for _, _, size in plans], ctx.host_threads.count)  # an early, clean ENOSPC
         extents = []
         for f, (_, items, _) in zip(files, plans, strict=True):
             from_tensors = in_place(config.direct_writes, f, pool)
             pieces = [piece for it in items for piece in _pieces(it, from_tensors, config.block_size)]
             extents.append(plan_extents(pieces, f.align, pool.size, config.direct_min, None))
         on_host = all(it.source.device_tensor is None for _, items, _ in plans for it in items)
-        if threads_write(engine, files, on_host, checksum.threads):
-            write_by_threads(files, [list(e) for e in extents], stale, pool, copier, controls, checksum, progress)
+        if threads_write(ctx, files, on_host):
+            write_by_threads(files, [list(e) for e in extents], stale, ctx, progress)
             progress.finish()
         else:
-            _write_through_ring(files, extents, stale, window, copier, controls, checksum)
-        controls.released()
+            _write_through_ring(files, extents, stale, window, ctx)
+        ctx.controls.released()
         for f, (_, _, size) in zip(files, plans, strict=True):
             if os.fstat(f.fd).st_size != size:
                 os.ftruncate(f.fd, size)  # O_DIRECT wrote the last block whole, past a size that ends inside it
@@ -262,12 +245,10 @@ def _write_through_ring(
     extents: list[Iterator[Extent]],
     stale: dict[DataFile, int],
     window: Window,
-    copier: DeviceCopier,
-    controls: SaveControls,
-    checksum: Checksummer,
+    ctx: WriteContext,
 ) -> None:
     """Write the files' extents through the engine, the files in turn, ``window`` keeping several in flight."""
-    engine = window.engine
+    engine, controls, host_threads = ctx.engine, ctx.controls, ctx.host_threads
     reads_tensors = False  # whether a transfer reads tensor memory until it completes
     for f, extent in interleave([zip(itertools.repeat(f), e) for f, e in zip(files, extents, strict=True)]):
         controls.check()
@@ -275,22 +256,11 @@ def _write_through_ring(
         if extent.direct:
             it = extent.direct.owner
             window.push(engine.write(f, extent.direct.memory, extent.file_offset), extent, None)
-            it.crc = checksum.crc32c(extent.direct.memory, it.crc, it.hasher)  # while the write is in flight
+            it.crc = host_threads.crc32c(extent.direct.memory, it.crc, it.hasher)  # while the write is in flight
             reads_tensors = True
         else:
-            buffer = fill(window.stage(extent.length), extent, copier, checksum)
+            buffer = fill(window.stage(extent.length), extent, ctx.copier, host_threads)
             window.push(engine.write(f, buffer, extent.file_offset), extent, buffer)
     if not reads_tensors:
         controls.released()
     window.finish()
-
-
-def _preallocate(files: list[DataFile], sizes: list[int], threads: int) -> None:
-    """Preallocate the files, several at once: on tmpfs an allocation clears the memory it takes."""
-    if len(files) <= 1 or threads == 1:
-        for f, size in zip(files, sizes, strict=True):
-            preallocate(f, size)
-        return
-    with ThreadPoolExecutor(min(threads, len(files)), thread_name_prefix="fp-dcp-fallocate") as pool:
-        for task in [pool.submit(preallocate, f, size) for f, size in zip(files, sizes, strict=True)]:
-            task.result()

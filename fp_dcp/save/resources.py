@@ -5,9 +5,13 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
+
 from ..config import IOConfig
 from ..gpu.streaming import Staging
-from ..io.engine import IOResources
+from ..io.context import IOResources
+from .context import WriteContext
+from .controls import SaveControls
 
 __all__ = ["WriterResources", "shared_resources"]
 
@@ -21,7 +25,7 @@ class WriterResources:
     releases it all now.
 
     The pool is made at the first save, with at least two buffers for each
-    of its files (``IOResources.get``).
+    of its files (``IOResources.context``).
     """
 
     def __init__(self, config: IOConfig) -> None:
@@ -29,6 +33,18 @@ class WriterResources:
         self.io = IOResources(config)
         self.busy = threading.Lock()  # held while a save's data is written through them: one pipeline at a time
         self.shared_as: str | None = None  # the writer id its unpickled copies find it under
+
+    def context(
+        self,
+        controls: SaveControls,
+        files: int = 0,
+        ready: dict[torch.device, torch.cuda.Event] | None = None,
+    ) -> WriteContext:
+        """What one save writes with: a pool of at least two buffers for each of its ``files``, a device copier
+        whose side streams wait for ``ready`` (an async save's events), and the save's ``controls``."""
+        io = self.io.context(2 * files)
+        copier = self.staging.copier(ready)
+        return WriteContext(io.engine, io.pool, io.host_threads, io.config, copier, controls)
 
     def close(self) -> None:
         if self.shared_as is not None and _UNPICKLED.get(self.shared_as) is self:

@@ -61,7 +61,7 @@ from torch.futures import Future
 
 from ..compat import CONSOLIDATION, consolidate_safetensors_files, require
 from ..config import IOConfig
-from ..gpu.copier import DeviceCopier
+from ..io.engine import engine_stores
 from ..io.files import fsync_directory, write_durably
 from ..safetensors_format import (
     DCP_METADATA,
@@ -75,6 +75,7 @@ from ..safetensors_format import (
 )
 from ..tensors import ByteSource
 from .checkpoint_path import checkpoint_directory
+from .context import WriteContext
 from .controls import SaveControls
 from .pipeline import Placed, resolve, write_laid_out
 from .resources import WriterResources
@@ -133,10 +134,10 @@ class SafetensorsWriter(StorageWriter):
             require(CONSOLIDATION)
             _needs_safetensors_package()
         self.config = config if config is not None else IOConfig()
-        if self.config.engine == "null":
+        if not engine_stores(self.config):
             raise ValueError(
-                "SafetensorsWriter cannot use engine='null': its files are complete once renamed into place, "
-                "and the null engine stores nothing in them"
+                f"SafetensorsWriter cannot use engine={self.config.engine!r}: its files are complete once renamed "
+                "into place, and that engine stores nothing in them"
             )
         self._default_path = checkpoint_directory(path)
         self._path = self._default_path
@@ -212,18 +213,16 @@ class SafetensorsWriter(StorageWriter):
             by_file: dict[int, list[WriteItem]] = defaultdict(list)
             for item in plan.items:
                 by_file[self._file_index(item)].append(item)
-            engine, pool = self._resources.io.get()
-            copier = self._resources.staging.copier()
+            ctx = self._resources.context(SaveControls())
             token = secrets.token_hex(4)
             laid_out = []
             for index, items in sorted(by_file.items()):
                 name = file_name(index, files.count, files.shard)
-                placed, size = self._lay_out(name, items, planner, pool.size, copier, results)
+                placed, size = self._lay_out(name, items, planner, ctx, results)
                 laid_out.append((os.path.join(self.path, f"{name}.{token}.tmp"), placed, size))
                 names.append(name)
-            copier.prepare(pool, [p.source for _, placed, _ in laid_out for p in placed])
-            checksummer = self._resources.io.checksummer
-            directs = write_laid_out(laid_out, engine, pool, self.config, SaveControls(), copier, checksummer)
+            ctx.copier.prepare(ctx.pool, [p.source for _, placed, _ in laid_out for p in placed])
+            directs = write_laid_out(laid_out, ctx)
             for (tmp, _, _), name in zip(laid_out, names, strict=True):
                 os.replace(tmp, os.path.join(self.path, name))
             fsync_directory(self.path)
@@ -231,22 +230,16 @@ class SafetensorsWriter(StorageWriter):
                 bytes=sum(r.size_in_bytes for r in results),
                 seconds=time.perf_counter() - start,
                 files=tuple(names),
-                engine=engine.describe(),
+                engine=ctx.engine.describe(),
                 direct_io=all(directs),
-                staging=copier.describe(),
+                staging=ctx.copier.describe(),
             )
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def _lay_out(
-        self,
-        name: str,
-        items: list[WriteItem],
-        planner: SavePlanner,
-        slab: int,
-        copier: DeviceCopier,
-        results: list[WriteResult],
+        self, name: str, items: list[WriteItem], planner: SavePlanner, ctx: WriteContext, results: list[WriteResult]
     ) -> tuple[list[Placed], int]:
         """The file's header and its items at their offsets, and its size; the items' results go to ``results``."""
         chunks = {}
@@ -264,10 +257,11 @@ class SafetensorsWriter(StorageWriter):
         header, offsets = encode_header(
             [(fqn, c.properties.dtype, c.chunk.sizes) for fqn, c in chunks.items()], metadata
         )
+        slab = ctx.pool.size
         placed: list[Placed] = [Placed(ByteSource(io.BytesIO(header), slab))]
         size = len(header)
         for item in items:
-            it = resolve(item, planner, slab, copier)
+            it = resolve(item, planner, slab, ctx.copier)
             it.offset = len(header) + offsets[item.index.fqn]
             placed.append(it)
             size += it.source.nbytes

@@ -23,49 +23,48 @@ import threading
 from collections.abc import Sequence
 
 from .._native import _cio
-from ..gpu.copier import DeviceCopier
-from ..io.buffers import BufferPool
-from ..io.checksum import BOUNCE, Checksummer
 from ..io.dealing import deal
-from ..io.engine import Engine
 from ..io.extents import Direct, Extent
 from ..io.files import DataFile
+from ..io.host_threads import BOUNCE, ONE_THREAD
 from ..io.progress import Progress
-from .controls import SaveControls
+from .context import WriteContext
 from .filling import fill, write_all, zero_stale
 
 __all__ = ["threads_write", "write_by_threads"]
 
 STEP = BOUNCE  # bytes per pwrite: the kernel's copy and the CRC after it share a core's cache
-_ONE_THREAD = Checksummer(1)  # the lanes are the threads: a copy inside one is not split again
 
 
-def threads_write(engine: Engine, files: Sequence[DataFile], sources_on_host: bool, threads: int) -> bool:
+def threads_write(ctx: WriteContext, files: Sequence[DataFile], sources_on_host: bool) -> bool:
     """Whether the host threads write ``files`` (``write_by_threads``) rather than the engine: the engine stores
     what it is given (not a sink that measures the pipeline), the kernel copies every byte of every file (a
     memory filesystem, or the page cache: ``DataFile.copied``), no byte comes from a device (its copies belong
     to the save's thread), and there are at least two files and two threads to write them."""
-    return engine.stores and sources_on_host and min(len(files), threads) >= 2 and all(f.copied for f in files)
+    return (
+        ctx.engine.stores
+        and sources_on_host
+        and min(len(files), ctx.host_threads.count) >= 2
+        and all(f.copied for f in files)
+    )
 
 
 def write_by_threads(
     files: Sequence[DataFile],
     extents: Sequence[Sequence[Extent]],
     stale: dict[DataFile, int],
-    pool: BufferPool,
-    copier: DeviceCopier,
-    controls: SaveControls,
-    checksum: Checksummer,
+    ctx: WriteContext,
     progress: Progress,
 ) -> None:
-    """Write each file's ``extents`` (file order), the files dealt over ``checksum``'s threads by bytes.
+    """Write each file's ``extents`` (file order), the files dealt over the host threads by bytes.
 
     ``stale`` maps reused files to where their old bytes start, as the
     ring's path keeps it: the old bytes between extents are zeroed on the
-    way. On a failure or ``controls`` cancelling, every thread stops at its
-    next extent and the first error is raised once all have ended.
+    way. On a failure or ``ctx.controls`` cancelling, every thread stops at
+    its next extent and the first error is raised once all have ended.
     """
-    lanes = min(checksum.threads, len(files), pool.count)
+    pool, controls, copier = ctx.pool, ctx.controls, ctx.copier
+    lanes = min(ctx.host_threads.count, len(files), pool.count)
     owners, _ = deal(
         [sum(e.length for e in file_extents) for file_extents in extents], [range(lanes)] * len(files), lanes
     )
@@ -87,16 +86,16 @@ def write_by_threads(
                     zero_stale(f, stale, extent)
                     if extent.direct is not None:
                         _write_run(f, extent.file_offset, extent.direct)
-                    else:
+                    else:  # the lanes are the threads: a copy inside one is not split again
                         buffer = pool.views[lane] if buffer is None else buffer
-                        write_all(f, fill(buffer[: extent.length], extent, copier, _ONE_THREAD), extent.file_offset)
+                        write_all(f, fill(buffer[: extent.length], extent, copier, ONE_THREAD), extent.file_offset)
                     with counted:
                         progress.advance(extent.payload)
         except BaseException:
             failed.set()
             raise
 
-    checksum.run_all([functools.partial(write_lane, work[i], i) for i in range(lanes) if work[i]])
+    ctx.host_threads.run_all([functools.partial(write_lane, work[i], i) for i in range(lanes) if work[i]])
 
 
 def _write_run(f: DataFile, offset: int, run: Direct) -> None:

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
 from ..io import files
+from ..io.engine import engine_stores
 from ..net.group import check_save_group
 from ..units import PAGE, align_up
 from . import commit
@@ -178,8 +179,6 @@ class FastPersistWriter(StorageWriter):
     def _start(self, resources: WriterResources) -> None:
         """The per-process state: made by ``__init__`` and again where the writer is unpickled."""
         self._resources = resources
-        self._staging = self._resources.staging
-        self._io = self._resources.io
         self._async = AsyncSaves()
         self._staged: StagedSave | None = None  # the async save now running, if any
         self._cancel = threading.Event()
@@ -299,28 +298,24 @@ class FastPersistWriter(StorageWriter):
         if self.rank is None:
             self.rank = plan_rank(plan.storage_data)
         count = self.placement.files(planned_bytes(plan.items), self.config)
-        engine, pool = self._io.get(2 * count)
+        ctx = self._resources.context(controls, count, staged.ready if staged else None)
         names = [data_file_name(self.rank, k, self._token) for k in range(count)]
         paths = [os.path.join(self.placement.directory_of(k), name) for k, name in enumerate(names)]
         reuse = None
-        if self.spare and engine.stores:
+        if self.spare and ctx.engine.stores:
             reuse = functools.partial(take_spares, os.fspath(self.spare), self.rank)
-        copier = self._staging.copier(staged.ready if staged else None)
         threads = min(self.config.io_threads, os.cpu_count() or 1)
         incremental = Incremental(self._base, threads) if self.incremental else None
-        checksummer = self._io.checksummer
-        results, written = write_files(
-            plan.items, paths, planner, engine, pool, self.config, controls, copier, incremental, checksummer, reuse
-        )
+        results, written = write_files(plan.items, paths, planner, ctx, incremental, reuse)
         for directory in {self.placement.directory_of(file_index(w.name)) for w in written}:
             files.fsync_directory(directory)  # the new names are durable before anything refers to them
         self.last_save = SaveSummary(
             bytes=sum(w.payload for w in written),
             seconds=time.perf_counter() - start,
             files=tuple(w.name for w in written),
-            engine=engine.describe(),
+            engine=ctx.engine.describe(),
             direct_io=all(w.direct for w in written),
-            staging=copier.describe(),
+            staging=ctx.copier.describe(),
             referenced=sum(r.size_in_bytes for r in results if r.storage_data[1]),
         )
         future: Future[list[WriteResult]] = Future()
@@ -345,7 +340,7 @@ class FastPersistWriter(StorageWriter):
         if self.last_save:
             footer["engine"] = self.last_save.describe_io()  # the coordinator's
         encoded = encode_metadata(this_save, entries, footer)
-        if self.config.engine == "null":  # nothing was stored: there is no checkpoint to publish
+        if not engine_stores(self.config):  # nothing was stored: there is no checkpoint to publish
             self.placement.remove(entries)
             self._release_lock()
             return
@@ -409,7 +404,7 @@ class FastPersistWriter(StorageWriter):
         save fails before that.
         """
         require(ASYNC_STAGING)
-        return self._async.stage(state_dict, self.mode, self._staging.snapshot)
+        return self._async.stage(state_dict, self.mode, self._resources.staging.snapshot)
 
     @property
     def should_synchronize_after_execute(self) -> bool:

@@ -1,4 +1,5 @@
-"""CRC-32C (and the copy fused with it) of large byte ranges, over several threads.
+"""The host threads: CRC-32C (and the copy fused with it) of large byte ranges over several threads, and tasks
+run side by side (a save's files written by the threads, ``save.thread_writes``).
 
 One core checksums and copies only so fast: where bytes arrive faster than
 that (the page cache, tmpfs, a node's NVMe drives, a GPU) one thread is the
@@ -21,7 +22,7 @@ from ..units import MiB
 from .files import DataFile, short_read
 from .userfault import UserfaultFiller
 
-__all__ = ["Checksummer", "MIN_SLICE", "BOUNCE"]
+__all__ = ["HostThreads", "ONE_THREAD", "MIN_SLICE", "BOUNCE"]
 
 # The measurements behind both: docs/benchmarks.md, "Figures behind design comments".
 MIN_SLICE = 4 * MiB  # a slice takes one core many times what handing it to a pool thread costs
@@ -32,11 +33,12 @@ def _bytes(view: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class Checksummer:
-    """Checksums and copies with up to ``threads`` threads, the caller's among them."""
+class HostThreads:
+    """Up to ``count`` threads, the caller's among them, that checksum and copy (sliced) and run tasks side by
+    side (``run_all``)."""
 
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
+    def __init__(self, count: int) -> None:
+        self.count = count
         self._pool: ThreadPoolExecutor | None = None  # made on first use: a load of small items never needs it
         self._bounce = threading.local()  # each thread's buffer for read_crc32c
 
@@ -82,10 +84,10 @@ class Checksummer:
         return self._sliced(read, out.nbytes, crc)
 
     def run_all(self, tasks: Sequence[Callable[[], None]]) -> None:
-        """Run ``tasks`` (at most ``threads``) at once, the first in this thread; return once every one has ended,
+        """Run ``tasks`` (at most ``count``) at once, the first in this thread; return once every one has ended,
         raising the first failure."""
-        if len(tasks) > self.threads:
-            raise ValueError(f"run_all: {len(tasks)} tasks for {self.threads} threads")
+        if len(tasks) > self.count:
+            raise ValueError(f"run_all: {len(tasks)} tasks for {self.count} threads")
         if not tasks:
             return
         workers = self._workers()
@@ -99,14 +101,14 @@ class Checksummer:
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="fp-dcp-crc")
+            self._pool = ThreadPoolExecutor(self.count - 1, thread_name_prefix="fp-dcp-crc")
         return self._pool
 
     def _sliced(self, run: Callable[[int, int, int], int], n: int, crc: int) -> int:
         """``run(start, length, crc)`` over ``n`` bytes cut into slices, run on the threads, CRCs joined in order.
         Returns, or raises the first failure, only once every slice has ended: none may still write into memory
         the caller goes on to release."""
-        count = min(self.threads, n // MIN_SLICE)
+        count = min(self.count, n // MIN_SLICE)
         if count <= 1:
             return run(0, n, crc)
         step = -(-n // count)
@@ -127,3 +129,6 @@ class Checksummer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+ONE_THREAD = HostThreads(1)  # the calling thread alone: where a copy is not split (it runs on a host thread already)
