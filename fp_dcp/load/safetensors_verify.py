@@ -40,9 +40,9 @@ from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, NotACh
 from ..io.files import open_file, open_regular
 from ..io.progress import Progress, ProgressCallback
 from ..safetensors_format import INDEX_NAME
+from .report import VerifyReport
 from .safetensors import Header, catalogue, checkpoint_files, read_header, read_weight_map
-from .stream_check import scan_ranges
-from .verify import VerifyReport, scan_resources
+from .stream_check import scan_ranges, scan_resources
 
 __all__ = ["SafetensorsVerifyReport", "RecordedHash", "recorded_hash", "verify_safetensors"]
 

@@ -18,14 +18,31 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .._native import _cio
 from ..checkpoint import Checkpoint
+from ..config import IOConfig
 from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
-from ..io.context import IOContext
+from ..io.context import IOContext, IOResources
 from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile
 from ..io.progress import Progress
+from ..units import PAGE, MiB, align_up
 from .hashes import ItemHashes
 
-__all__ = ["Item", "FedRange", "Segment", "segments_of", "hash_mismatch", "items_by_file", "StreamCheck", "scan_ranges"]
+__all__ = [
+    "Item",
+    "FedRange",
+    "Segment",
+    "segments_of",
+    "hash_mismatch",
+    "items_by_file",
+    "StreamCheck",
+    "scan_ranges",
+    "scan_resources",
+]
+
+# A check of a whole checkpoint reads 16 MiB at a time, four in flight: enough to keep a disk busy, with 64 MiB of
+# buffers.
+_READ = 16 * MiB
+_IN_FLIGHT = 4
 
 Item = tuple[MetadataIndex, ItemLocation]  # a stored item: its index and where it is
 
@@ -196,3 +213,9 @@ def scan_ranges(
     except BaseException:
         window.abort()
         raise
+
+
+def scan_resources(largest: int) -> IOResources:
+    """An engine and buffers to read files of up to ``largest`` bytes front to back (small files, small buffers)."""
+    read = min(_READ, align_up(largest, PAGE))
+    return IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))

@@ -44,58 +44,25 @@ import os
 import stat
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_checkpoint
-from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..format import METADATA_NAME, describe_item
-from ..io.context import IOContext, IOResources
+from ..io.context import IOContext
 from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
 from ..structure import nesting_fault
-from ..units import PAGE, MiB, align_up
+from ..units import PAGE, align_up
 from .catalog import FastPersistCatalog
-from .stream_check import Item, items_by_file, scan_ranges, segments_of
+from .report import VerifyReport
+from .safetensors_verify import verify_safetensors
+from .stream_check import Item, items_by_file, scan_ranges, scan_resources, segments_of
 
-__all__ = ["VerifyReport", "verify_checkpoint", "scan_resources"]
+__all__ = ["VerifyReport", "verify_checkpoint"]
 
-# Reads of 16 MiB, four in flight: enough to keep a disk busy, with 64 MiB of buffers.
-_READ = 16 * MiB
-_IN_FLIGHT = 4
 _NAMES_SHOWN = 5  # items named in a problem about a whole file
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """What ``verify_checkpoint`` found.
-
-    Attributes:
-        path: the checkpoint directory.
-        ok: no problem found.
-        problems: one line per problem, naming the file and, where the
-            problem is in an item's bytes, the item (its fqn and chunk).
-        items: items the metadata lists (all examined).
-        bytes: item bytes read and checked against their CRC-32C.
-        files: data files the metadata lists.
-        checksums: False for a torch ``FileSystemWriter`` checkpoint, which
-            stores none: then only file presence and sizes were checked.
-        partial: for a node's copy of a tiered step (``.node``) that lacks
-            data files, what it holds ("" otherwise): the files there are
-            checked, the absent ones are on other nodes' roots or the
-            durable root, and their absence is no problem.
-    """
-
-    path: str
-    ok: bool
-    problems: list[str]
-    items: int
-    bytes: int
-    files: int
-    checksums: bool = True
-    partial: str = ""
 
 
 def verify_checkpoint(
@@ -125,8 +92,6 @@ def verify_checkpoint(
     """
     directory = os.fspath(path)
     if is_safetensors_directory(directory):
-        from .safetensors_verify import verify_safetensors  # it builds on this module's report and reader
-
         if data_dirs:
             raise ValueError(f"{directory} is a safetensors checkpoint: data_dirs does not apply to it")
         return verify_safetensors(directory, progress=progress)
@@ -161,12 +126,6 @@ def verify_checkpoint(
     tracker.finish()
     stored = len(catalog.locations)
     return VerifyReport(directory, not problems, problems, stored, checked, len(catalog.paths), partial=partial)
-
-
-def scan_resources(largest: int) -> IOResources:
-    """An engine and buffers to read files of up to ``largest`` bytes front to back (small files, small buffers)."""
-    read = min(_READ, align_up(largest, PAGE))
-    return IOResources(IOConfig(buffer_size=read, num_buffers=_IN_FLIGHT, block_size=read, queue_depth=_IN_FLIGHT))
 
 
 def _undescribed(metadata: Metadata, catalog: FastPersistCatalog) -> list[str]:
