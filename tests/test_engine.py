@@ -127,7 +127,7 @@ IN_PLACE_OR_STAGED = [
 def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_writes, caps, huge, staged):
     """Where the disk's requests from 4 KiB pages are capped and huge pages can do better (auto), or
     when told, every byte goes through the staging buffers; else large items are written in place."""
-    from fp_dcp.io import buffers, device
+    from fp_dcp.io import buffers
 
     monkeypatch.setattr(files, "scatter_caps_requests", lambda directory: caps)
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
@@ -143,7 +143,7 @@ def test_direct_writes_from_tensor_memory_or_staging_buffers(tmp_path, monkeypat
 def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatch, direct_reads, caps, huge, staged):
     """Loads decide as saves do: through the staging buffers (then copied into place, checksummed in the same
     pass) where huge pages get the disk larger requests, else large items read straight into the targets."""
-    from fp_dcp.io import buffers, device
+    from fp_dcp.io import buffers
 
     state = {f"t{i}": torch.randn(1 << 20) for i in range(3)}
     save(state, tmp_path / "ck")
@@ -166,7 +166,7 @@ def test_untouched_targets_read_their_huge_page_blocks_in_place(tmp_path, monkey
     """Auto, where 4 KiB pages cap the disk's requests: the 2 MiB-aligned blocks of a target nobody touched yet get
     huge pages before their first touch (``prepare_targets``), so they are read in place at full request size;
     the rest of the target goes through the staging buffers. Without preparing, every byte is staged."""
-    from fp_dcp.io import buffers, device, prefault
+    from fp_dcp.io import buffers, prefault
 
     state = {f"t{i}": torch.randn(3 << 20) for i in range(2)}
     save(state, tmp_path / "ck")
