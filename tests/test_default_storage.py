@@ -9,13 +9,13 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_util import run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._storage_utils import _storage_setup
 
 import fp_dcp
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.testing.ranks import run_ranks
 
 
 def kind(path) -> str:

@@ -1,18 +1,27 @@
 """Run a function on N rank processes with a gloo process group, with a deadline.
 
-Each test gets its own FileStore rendezvous (no TCP port to clash on), every
-rank's result or error comes back to the test, and a rank that hangs fails
-the test after ``timeout`` seconds instead of hanging CI, having first
-printed every thread's stack to the test's captured stderr (faulthandler),
-so that a hang seen once in CI says where it was.
+Each call gets its own rendezvous: a FileStore in a temporary directory (no
+TCP port to clash on), or with ``tcp=True`` a TCPStore on 127.0.0.1, as
+``torchrun`` makes one. Every rank's result or error comes back to the
+caller, and a rank that hangs fails the call after ``timeout`` seconds of
+silence instead of hanging CI, having first printed every thread's stack to
+the caller's stderr (faulthandler), so that a hang seen once in CI says
+where it was. A rank that dies (or fails to start) ends the wait at once,
+and no rank outlives the call.
 
 The ranks are new processes forked from a server that imported torch once
-(multiprocessing's forkserver): a rank starts in a fraction of the seconds a
-new interpreter takes to import torch, and still shares nothing with other
-tests' ranks. Each takes the test's environment as it is when the ranks
-start (the server's is the one it started with). ``fresh=True`` starts new
-interpreters instead, for what happens at interpreter start-up (``.pth``
-files).
+(``fp_dcp.testing.processes``): a rank starts in a fraction of the seconds
+a new interpreter takes to import torch, and still shares nothing with
+other calls' ranks. Each takes the caller's environment, stdout and stderr
+as they are when the ranks start; ``local=True`` adds ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE``, as torchrun sets them for the ranks of one node (fp-dcp
+divides the node's cores among them: ``IOConfig.host_threads``).
+``fresh=True`` starts new interpreters instead, for what happens at
+interpreter start-up (``.pth`` files).
+
+Tests take the default deadline. Benchmarks run their ranks with
+``run_node``: as torchrun starts the ranks of one node, waiting up to
+``BENCHMARK_TIMEOUT_S`` for each result (a rank may measure for minutes).
 """
 
 from __future__ import annotations
@@ -27,12 +36,29 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from multiprocessing import reduction
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .processes import Handed, context, environment, free_port, inherit
+
+__all__ = [
+    "TIMEOUT_S",
+    "BENCHMARK_TIMEOUT_S",
+    "RankError",
+    "SpawnedRanks",
+    "spawned_ranks",
+    "run_ranks",
+    "run_ranks_outcomes",
+    "rank_results",
+    "run_node",
+]
+
+TIMEOUT_S = 120.0  # a test's wait for the next rank's result
+BENCHMARK_TIMEOUT_S = 900.0  # a benchmark's: its ranks may measure for minutes before they answer
+
+Outcome = tuple[bool, Any]  # (True, result) or (False, (type name, message, traceback))
 
 
 class RankError(Exception):
@@ -45,55 +71,25 @@ class RankError(Exception):
         self.message = message
 
 
-# What the server imports once, before any rank: the costly part of starting one. Not fp_dcp, which reads the
-# environment at import (FP_DCP_DEFAULT_STORAGE), and which each rank imports with the test's environment.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint"]
-
-
-def _context(fresh: bool) -> Any:
-    if fresh:
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-class _Inherited:
-    """One of the test's file descriptors, handed to a rank as it starts: a forked rank's stdout and stderr would
-    otherwise be the server's, never the test's, where pytest captures what a rank prints (a hung rank's stacks)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Callable[[Any], int], tuple[Any]]:
-        return _detach, (reduction.DupFd(self.fd),)
-
-
-def _detach(duplicate: Any) -> int:
-    return int(duplicate.detach())
-
-
 def _entry(
     rank: int,
     world: int,
-    store: str,
-    call: tuple[Callable[..., Any], tuple],
-    inherited: tuple[dict[str, str], int, int],
+    init: str,
+    call: tuple[Callable[..., Any], tuple[Any, ...]],
+    handed: Handed,
+    local: bool,
     results: Any,
     stacks_after: float | None,
 ) -> None:
-    environ, stdout, stderr = inherited
-    os.environ.clear()
-    os.environ.update(environ)
-    for fd, target in ((stdout, 1), (stderr, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
+    inherit(handed)
+    if local:  # as torchrun sets them for ranks on one node
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     fn, args = call
     warnings.filterwarnings("ignore")
     if stacks_after is not None:
         faulthandler.dump_traceback_later(stacks_after)
-    torch.set_num_threads(1)  # several ranks share two cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # several ranks share the cores
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         # Plain pickle: torch's multiprocessing reducers would share tensors through
         # this process's memory, which is gone once it exits.
@@ -113,23 +109,25 @@ def _entry(
 class SpawnedRanks:
     """``world`` ranks started on ``fn``: their process ids (for signals), then their outcomes.
 
-    ``stacks_after``: seconds after which a rank still running prints all its threads' stacks (once)."""
+    ``init``: the rendezvous (``file://...`` or ``tcp://...``). ``stacks_after``: seconds after which a rank still
+    running prints all its threads' stacks (once)."""
 
     def __init__(
         self,
         world: int,
         fn: Callable[..., Any],
-        args: tuple,
-        store: str,
+        args: tuple[Any, ...],
+        init: str,
         stacks_after: float | None = None,
         fresh: bool = False,
+        local: bool = False,
     ) -> None:
-        ctx = _context(fresh)
+        ctx = context(fresh)
         self.world = world
         self._results = ctx.Queue()
-        inherited = (dict(os.environ), _Inherited(1), _Inherited(2))
+        handed = environment()
         self.procs = [
-            ctx.Process(target=_entry, args=(r, world, store, (fn, args), inherited, self._results, stacks_after))
+            ctx.Process(target=_entry, args=(r, world, init, (fn, args), handed, local, self._results, stacks_after))
             for r in range(world)
         ]
         for p in self.procs:
@@ -139,10 +137,10 @@ class SpawnedRanks:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]
 
-    def outcomes(self, timeout: float) -> list[tuple[bool, Any]]:
+    def outcomes(self, timeout: float) -> list[Outcome]:
         """Per rank (True, result) or (False, (type, message, trace)); TimeoutError if one is silent ``timeout`` s,
         RankError at once for a rank that ended without an outcome (it died, or failed to start)."""
-        got: dict[int, tuple[bool, Any]] = {}
+        got: dict[int, Outcome] = {}
         silent_since = time.monotonic()
         while len(got) < self.world:
             missing = sorted(set(range(self.world)) - set(got))
@@ -166,11 +164,19 @@ class SpawnedRanks:
 
 @contextlib.contextmanager
 def spawned_ranks(
-    world: int, fn: Callable[..., Any], *args: Any, stacks_after: float | None = None, fresh: bool = False
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    stacks_after: float | None = None,
+    fresh: bool = False,
+    tcp: bool = False,
+    local: bool = False,
 ) -> Iterator[SpawnedRanks]:
-    """``fn(rank, world, *args)`` started on ``world`` ranks; any still running when the block ends are killed."""
+    """``fn(rank, world, *args)`` started on ``world`` ranks; any still running when the block ends are killed
+    (whatever ends it: an error, Ctrl-C)."""
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = SpawnedRanks(world, fn, args, os.path.join(tmp, "store"), stacks_after, fresh)
+        init = f"tcp://127.0.0.1:{free_port()}" if tcp else f"file://{os.path.join(tmp, 'store')}"
+        ranks = SpawnedRanks(world, fn, args, init, stacks_after, fresh, local)
         try:
             yield ranks
         finally:
@@ -180,20 +186,35 @@ def spawned_ranks(
 
 
 def run_ranks_outcomes(
-    world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, fresh: bool = False
-) -> list[tuple[bool, Any]]:
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = TIMEOUT_S,
+    fresh: bool = False,
+    tcp: bool = False,
+    local: bool = False,
+) -> list[Outcome]:
     """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
     # The stacks come a little before the deadline: the ranks are then still there to print them.
-    with spawned_ranks(world, fn, *args, stacks_after=max(timeout - 10, 1), fresh=fresh) as ranks:
+    stacks_after = max(timeout - 10, 1)
+    with spawned_ranks(world, fn, *args, stacks_after=stacks_after, fresh=fresh, tcp=tcp, local=local) as ranks:
         return ranks.outcomes(timeout)
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 120, fresh: bool = False) -> list[Any]:
+def run_ranks(
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = TIMEOUT_S,
+    fresh: bool = False,
+    tcp: bool = False,
+    local: bool = False,
+) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` ranks: their results in rank order; RankError if one failed."""
-    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout, fresh=fresh))
+    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout, fresh=fresh, tcp=tcp, local=local))
 
 
-def rank_results(outcomes: list[tuple[bool, Any]]) -> list[Any]:
+def rank_results(outcomes: list[Outcome]) -> list[Any]:
     """The results of ``outcomes`` in rank order; RankError for the first rank that failed."""
     out = []
     for rank, (ok, value) in enumerate(outcomes):
@@ -201,3 +222,10 @@ def rank_results(outcomes: list[tuple[bool, Any]]) -> list[Any]:
             raise RankError(rank, *value)
         out.append(value)
     return out
+
+
+def run_node(world: int, fn: Callable[..., Any], *args: Any, tcp: bool = False) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` ranks as torchrun starts the ranks of one node (``local=True``),
+    waiting up to ``BENCHMARK_TIMEOUT_S`` for each result: their results in rank order, RankError if one failed.
+    How the benchmarks run ranks."""
+    return run_ranks(world, fn, *args, timeout=BENCHMARK_TIMEOUT_S, tcp=tcp, local=True)
