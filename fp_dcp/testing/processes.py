@@ -1,18 +1,21 @@
 """Child processes that start at once: forked from a server that imported torch once.
 
 A new interpreter spends seconds importing torch (3-4 s on a loaded 2-core
-machine), and a test or a benchmark that starts many processes (ranks,
-crash trials' savers and loaders) would spend most of its time there.
-``context()`` is multiprocessing's forkserver with torch, torch.distributed
-and torch.distributed.checkpoint imported in the server: each child is a
-new process forked from it, shares nothing with its siblings, and dies,
-exits and is killed (SIGKILL, SIGTERM) as a process of its own does.
+machine), and fp-dcp a fifth of a second more; a test or a benchmark that
+starts many processes (ranks, crash trials' savers and loaders) would spend
+most of its time there. ``context()`` is multiprocessing's forkserver with
+torch, torch.distributed, torch.distributed.checkpoint and fp-dcp imported
+in the server: each child is a new process forked from it, shares nothing
+with its siblings, and dies, exits and is killed (SIGKILL, SIGTERM) as a
+process of its own does.
 
 The server is one per process, started by the first child, with the
-environment and ``sys.path`` of that moment; fp-dcp is not imported there:
-it reads the environment at import (``FP_DCP_DEFAULT_STORAGE``), and each
-child imports it with the environment it is given (``Inherited`` hands a
-child the parent's file descriptors, ``environment()`` its variables).
+environment and ``sys.path`` of that moment. A child that is to run with
+its parent's environment as it is when the child starts gets it with
+``environment()`` and takes it with ``inherit()`` (the rank launcher does),
+stdout and stderr too (``Inherited`` hands over a file descriptor);
+``inherit`` also redoes the one thing fp-dcp reads from the environment at
+import, whether it is DCP's default storage (``FP_DCP_DEFAULT_STORAGE``).
 ``fresh=True`` starts new interpreters instead, for what happens at
 interpreter start-up (``.pth`` files).
 """
@@ -27,10 +30,12 @@ from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
+from ..integrations import default_storage
+
 __all__ = ["PRELOAD", "context", "Inherited", "environment", "inherit", "free_port"]
 
 # What the server imports once, before any child: the costly part of starting one.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "fp_dcp")
 
 
 def context(fresh: bool = False) -> ForkServerContext | SpawnContext:
@@ -68,7 +73,8 @@ def environment() -> Handed:
 
 
 def inherit(handed: Handed) -> None:
-    """In the child: the environment, stdout and stderr of ``environment()``, in place of the server's."""
+    """In the child: the environment, stdout and stderr of ``environment()``, in place of the server's; fp-dcp DCP's
+    default storage as the environment says (the server imported it with its own)."""
     environ, stdout, stderr = handed
     os.environ.clear()
     os.environ.update(environ)
@@ -76,6 +82,8 @@ def inherit(handed: Handed) -> None:
         assert isinstance(fd, int)  # an Inherited arrives as the descriptor it duplicated
         os.dup2(fd, target)
         os.close(fd)
+    default_storage.uninstall()
+    default_storage.install_from_environment()
 
 
 def free_port() -> int:

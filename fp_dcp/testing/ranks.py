@@ -13,7 +13,8 @@ The ranks are new processes forked from a server that imported torch once
 (``fp_dcp.testing.processes``): a rank starts in a fraction of the seconds
 a new interpreter takes to import torch, and still shares nothing with
 other calls' ranks. Each takes the caller's environment, stdout and stderr
-as they are when the ranks start; ``local=True`` adds ``LOCAL_RANK`` and
+as they are when the ranks start (fp-dcp, imported in the server, is DCP's
+default storage or not as that environment says); ``local=True`` adds ``LOCAL_RANK`` and
 ``LOCAL_WORLD_SIZE``, as torchrun sets them for the ranks of one node (fp-dcp
 divides the node's cores among them: ``IOConfig.host_threads``).
 ``fresh=True`` starts new interpreters instead, for what happens at
@@ -36,17 +37,21 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
 from .processes import Handed, context, environment, free_port, inherit
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # annotations only: torch's dependency, not fp-dcp's
+
 __all__ = [
     "TIMEOUT_S",
     "BENCHMARK_TIMEOUT_S",
     "RankError",
+    "Launch",
     "SpawnedRanks",
     "spawned_ranks",
     "run_ranks",
@@ -59,6 +64,15 @@ TIMEOUT_S = 120.0  # a test's wait for the next rank's result
 BENCHMARK_TIMEOUT_S = 900.0  # a benchmark's: its ranks may measure for minutes before they answer
 
 Outcome = tuple[bool, Any]  # (True, result) or (False, (type name, message, traceback))
+
+
+class Launch(TypedDict, total=False):
+    """How ``run_ranks`` and ``run_ranks_outcomes`` start and wait for the ranks (each optional)."""
+
+    timeout: float  # seconds a rank may be silent before TimeoutError (TIMEOUT_S)
+    fresh: bool  # new interpreters instead of forks of the preloaded server
+    tcp: bool  # a TCPStore on 127.0.0.1 instead of a FileStore
+    local: bool  # LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun sets them on one node
 
 
 class RankError(Exception):
@@ -185,33 +199,18 @@ def spawned_ranks(
                     p.kill()
 
 
-def run_ranks_outcomes(
-    world: int,
-    fn: Callable[..., Any],
-    *args: Any,
-    timeout: float = TIMEOUT_S,
-    fresh: bool = False,
-    tcp: bool = False,
-    local: bool = False,
-) -> list[Outcome]:
+def run_ranks_outcomes(world: int, fn: Callable[..., Any], *args: Any, **launch: Unpack[Launch]) -> list[Outcome]:
     """``fn(rank, world, *args)`` on ``world`` ranks: per rank (True, result) or (False, (type, message, trace))."""
+    timeout = launch.get("timeout", TIMEOUT_S)
+    start: dict[str, Any] = {k: v for k, v in launch.items() if k != "timeout"}  # how spawned_ranks starts them
     # The stacks come a little before the deadline: the ranks are then still there to print them.
-    stacks_after = max(timeout - 10, 1)
-    with spawned_ranks(world, fn, *args, stacks_after=stacks_after, fresh=fresh, tcp=tcp, local=local) as ranks:
+    with spawned_ranks(world, fn, *args, stacks_after=max(timeout - 10, 1), **start) as ranks:
         return ranks.outcomes(timeout)
 
 
-def run_ranks(
-    world: int,
-    fn: Callable[..., Any],
-    *args: Any,
-    timeout: float = TIMEOUT_S,
-    fresh: bool = False,
-    tcp: bool = False,
-    local: bool = False,
-) -> list[Any]:
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, **launch: Unpack[Launch]) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` ranks: their results in rank order; RankError if one failed."""
-    return rank_results(run_ranks_outcomes(world, fn, *args, timeout=timeout, fresh=fresh, tcp=tcp, local=local))
+    return rank_results(run_ranks_outcomes(world, fn, *args, **launch))
 
 
 def rank_results(outcomes: list[Outcome]) -> list[Any]:
