@@ -1,6 +1,6 @@
 """Helpers for the checkpoint-tier tests: runs of 4 gloo ranks as 2 nodes, and a real S3 server (SeaweedFS).
 
-The ranks, nodes, states and managers are ``fp_dcp.testing.tiers``' (the
+The ranks, nodes, states and managers are ``fp_dcp.testing.tiers``'s (the
 tier crash trials and benchmarks/tiers_bench.py use them too).
 """
 

@@ -33,7 +33,7 @@ one after it), ``verify`` (``verify_checkpoint`` disagrees with the load),
 
 ``benchmarks/crash_trials.py`` runs them (``--trials 100`` for the
 figures), tests/test_crash.py a few. The state dicts are
-``fp_dcp.testing.states``'; the processes are forked from a server that
+``fp_dcp.testing.states``'s; the processes are forked from a server that
 has imported torch once (``fp_dcp.testing.processes``), so a trial costs
 its save, its load and the hashing, not interpreter start-up.
 """
