@@ -18,7 +18,9 @@ every fio run the directory takes the pages just given back by a removed
 file of the state's size (``workload.recycle``), so that no writer pays for
 memory its VM's host took back. fio's huge-page buffers are reserved as
 root (``fp_dcp.tools.fio``). Printed: each run's GB/s as the rounds go, then
-each writer's median GB/s and CPU-s/GB and its ratio to fio's.
+each writer's median GB/s and CPU-s/GB and its ratio to fio's. Run it with
+this checkout's fp-dcp importable (``PYTHONPATH=.``, or installed in
+place); the checkouts' children run as ``fp_dcp.testing.checkouts`` says.
 """
 
 from __future__ import annotations
@@ -30,19 +32,20 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
 SAVES = int(os.environ.get("SAVES", "4"))
+
+# The child runs with each checkout's fp-dcp: what it uses must be in the baseline too (not fp_dcp.testing).
 
 
 def fresh_directory(directory: str, nbytes: int, memory: bool) -> None:
-    """An empty ``directory``; on tmpfs holding the pages ``nbytes`` just gave back (``workload.recycle``)."""
+    """An empty ``directory``; on tmpfs holding the pages ``nbytes`` just gave back (``workload.recycle``), elsewhere
+    with the page cache dropped (as root)."""
     from fp_dcp.tools.workload import recycle
 
     shutil.rmtree(directory, ignore_errors=True)
@@ -119,8 +122,6 @@ def main() -> int:
     ap.add_argument("--dir", default="/dev/shm", help="a tmpfs, or a disk's directory (saved through its cache)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.child:
-        sys.path.insert(0, str(HERE))  # a child imports the checkout its PYTHONPATH names
     from fp_dcp import IOConfig
     from fp_dcp.io.device import filesystem_of
 
@@ -129,21 +130,18 @@ def main() -> int:
     if args.child:
         child(args.gb, directory, memory)
         return 0
+    from fp_dcp.testing.checkouts import checkouts as both
+    from fp_dcp.testing.checkouts import run_child
+
     jobs_count = IOConfig().threads()
-    checkouts = {"this checkout": HERE}
-    if args.baseline is not None:
-        checkouts["baseline"] = args.baseline.resolve()
+    checkouts = both(args.baseline)
     fio_name = f"fio --numjobs={jobs_count}"
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in [*checkouts, fio_name]}
     for r in range(args.rounds):
         order = list(checkouts) if r % 2 == 0 else list(checkouts)[::-1]
         for name in order:
-            env = {**os.environ, "PYTHONPATH": str(checkouts[name])}
-            cmd = [sys.executable, __file__, "--child", "--gb", str(args.gb), "--dir", args.dir]
-            out = subprocess.run(cmd, env=env, cwd=checkouts[name], capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"{name}: {out.stderr.strip().splitlines()[-1]}")
-            runs[name] += [tuple(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
+            argv = [__file__, "--child", "--gb", str(args.gb), "--dir", args.dir]
+            runs[name] += [tuple(x) for x in run_child(name, checkouts[name], argv)]
         runs[fio_name] += fio_runs(args.gb, directory, jobs_count, memory)
         for name, results in runs.items():
             shown = " ".join(f"{g:.2f}" for g, _ in results[-(SAVES - 1) :])

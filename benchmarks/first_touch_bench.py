@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import mmap
 import sys
-import time
 
 from fp_dcp import IOConfig
 from fp_dcp.io.prefault import Prefaulter, populate_supported
+from fp_dcp.testing.measure import timed
 from fp_dcp.tools.bench import faulted_in
-from fp_dcp.tools.workload import cpu_seconds
 from fp_dcp.units import MiB
 
 GiB = 1024 * MiB
@@ -32,9 +31,9 @@ GiB = 1024 * MiB
 
 def fault_in(nbytes: int, prefaulter: Prefaulter) -> tuple[mmap.mmap, float, float]:
     """A fresh mapping of ``nbytes``, faulted in: the mapping (still held), seconds, CPU seconds (all threads)."""
-    cpu, start = cpu_seconds(), time.perf_counter()
-    memory = faulted_in(nbytes, prefaulter)
-    return memory, time.perf_counter() - start, cpu_seconds() - cpu
+    held: list[mmap.mmap] = []
+    took = timed(lambda: held.append(faulted_in(nbytes, prefaulter)))
+    return held[0], took.seconds, took.cpu_seconds
 
 
 def main() -> int:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
 from fp_dcp.io import prefault, userfault
-from fp_dcp.tools.workload import cpu_seconds, evict, fresh_allocations, llm_state_dict, tensor_bytes
+from fp_dcp.testing.measure import timed
+from fp_dcp.tools.workload import evict, fresh_allocations, llm_state_dict, tensor_bytes
 
 PREPARATIONS = {  # name: (prepare_targets, huge pages asked for, userfaultfd allowed)
     "userfaultfd": (True, False, True),
@@ -64,14 +64,16 @@ def main() -> None:
             userfault._refused = not uffd
             evict(args.dir)
             target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
-            cpu, start = cpu_seconds(), time.perf_counter()
-            reader = FastPersistReader(args.dir, config=IOConfig(prepare_targets=prepare))
-            dcp.load(target, storage_reader=reader, no_dist=True)
-            seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
-            results[name].append((size / seconds / 1e9, cpu / (size / 1e9)))
+
+            def load(target: dict = target, prepare: bool = prepare) -> None:
+                reader = FastPersistReader(args.dir, config=IOConfig(prepare_targets=prepare))  # made anew, timed
+                dcp.load(target, storage_reader=reader, no_dist=True)
+
+            took = timed(load)
+            results[name].append((took.gbps(size), took.cpu_s_per_gb(size)))
             if args.hold:
                 held.append(target)
-            del target, reader
+            del target, load  # freed before the next targets are made
         order.reverse()
     held.clear()
     print(f"{size / 1e9:.2f} GB into fresh targets, {args.rounds} rounds, alternating, cold")

@@ -45,6 +45,9 @@ that fails is reported in the table without stopping the others:
   restore bit-exact;
 - ``demo``: examples/train_demo.py, one round of its modes: overhead per iteration.
 
+``--only`` runs the sections it names and skips the rest (``--only crc`` is
+what ``gpu_crc.py`` was), ``--skip`` the other way round.
+
 Prints a table at the end, always, and writes ``OUT_DIR/gpu_check.json``.
 """
 
@@ -74,6 +77,8 @@ import torch.distributed.checkpoint as dcp
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, IOConfig, engine_info
 from fp_dcp.gpu.kernel import Kernel
+from fp_dcp.testing.measure import timed
+from fp_dcp.tools.fio import Fio, Jobs, installed
 from fp_dcp.tools.workload import copy_peaks, evict, llm_state_dict, tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,17 +137,11 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(device: str, fn: Callable[[], Any]) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def fio_binary() -> str | None:
-    local = ROOT / ".dep" / "bin" / "fio"  # carried to machines without fio (benchmarks/gpu_check.sh)
-    return str(local) if local.is_file() else shutil.which("fio")
+def use_carried_fio() -> None:
+    """fio from ``.dep/bin``, carried to machines without it (benchmarks/gpu_check.sh), first on the PATH."""
+    local = ROOT / ".dep" / "bin"
+    if (local / "fio").is_file() and str(local) not in os.environ.get("PATH", "").split(":"):
+        os.environ["PATH"] = f"{local}:{os.environ.get('PATH', '')}"
 
 
 def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> dict[str, Any]:
@@ -158,14 +157,14 @@ def staging(state: dict[str, Any], size: int, memory_dir: str, device: str) -> d
                     into.append(dcp.async_save(state, storage_writer=w, async_stager=w))
                     into[-1].staging_completion.result()
 
-                snapshots.append(size / timed(device, snapshot) / GB)
+                snapshots.append(timed(snapshot, device=device).gbps(size))
                 responses[-1].upload_completion.result()
             arena = writer._resources.staging.snapshot  # the copy alone, as the staging thread runs it
             for _ in range(3):
-                takes.append(size / timed(device, lambda a=arena: a.take(state, {})) / GB)
+                takes.append(timed(lambda a=arena: a.take(state, {}), device=device).gbps(size))
         with FastPersistWriter(path) as writer:
             for _ in range(3):
-                streaming.append(size / timed(device, lambda w=writer: dcp.save(state, storage_writer=w)) / GB)
+                streaming.append(timed(lambda w=writer: dcp.save(state, storage_writer=w), device=device).gbps(size))
             how = writer.last_save.staging if writer.last_save else "?"
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -185,7 +184,7 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
     try:
         state = llm_state_dict(nbytes, seed=1, device=device)
         size = tensor_bytes(state)
-        fio = fio_binary()
+        fio = installed()
         fio_rates: list[float] = []
         fp_rates: list[float] = []
         with FastPersistWriter(os.path.join(root, "ckpt"), data_dirs=dirs) as writer:
@@ -193,7 +192,7 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
             for rep in range(2):
                 fp_rates.append(size / save_once(writer, state, root, dirs, f"ckpt-{rep}", device) / GB)
                 if fio:
-                    fio_rates.append(size / fio_write(fio, dirs, size) / GB)
+                    fio_rates.append(size / fio_write(dirs, size) / GB)
             how = writer.last_save.staging if writer.last_save else "?"
         # the same bytes from host memory, which the host threads write into tmpfs themselves (save.thread_writes)
         host_rates = []
@@ -207,7 +206,7 @@ def shm8(nbytes: int, memory_dir: str, device: str) -> dict[str, Any]:
         null_rates = []
         with FastPersistWriter(os.path.join(root, "null"), data_dirs=dirs, config=IOConfig(engine="null")) as writer:
             for _ in range(3):  # the first warms the pool and page-locking
-                null_rates.append(size / timed(device, lambda: dcp.save(state, storage_writer=writer)) / GB)
+                null_rates.append(timed(lambda: dcp.save(state, storage_writer=writer), device=device).gbps(size))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     fp, ref = max(fp_rates), max(fio_rates) if fio_rates else None
@@ -228,21 +227,18 @@ def save_once(
     """Seconds ``writer`` takes to save ``state`` as a new checkpoint ``name`` in ``root`` (its data in ``dirs``),
     which is removed afterwards, as fio's files are: no replaced files to unlink."""
     path = os.path.join(root, name)
-    seconds = timed(device, lambda: dcp.save(state, storage_writer=writer, checkpoint_id=path))
+    seconds = timed(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=path), device=device).seconds
     for leftover in [path, *(os.path.join(d, n) for d in dirs for n in os.listdir(d) if n.startswith(f"{name}-"))]:
         shutil.rmtree(leftover)
     return seconds
 
 
-def fio_write(fio: str, dirs: list[str], size: int) -> float:
-    """Seconds for fio to write ``size`` bytes, one job per directory, 8 MiB requests, fsync at the end."""
+def fio_write(dirs: list[str], size: int) -> float:
+    """Seconds for fio to write ``size`` bytes, one job per directory, buffered, 8 MiB requests 16 deep, fsync at
+    the end, timed as a whole process."""
     each = -(-size // len(dirs) // (1 << 20)) << 20
-    args = [fio, "--name=limit", f"--numjobs={len(dirs)}", "--rw=write", f"--size={each}", "--bs=8M"]
-    args += ["--ioengine=io_uring", "--iodepth=16", "--end_fsync=1", "--group_reporting", "--output-format=terse"]
-    args += [f"--directory={':'.join(dirs)}", "--filename_format=fio.$jobnum"]
-    start = time.perf_counter()
-    subprocess.run(args, check=True, capture_output=True)
-    seconds = time.perf_counter() - start
+    jobs = Jobs(depth=16, block=8 << 20, jobs=len(dirs), direct=False)
+    seconds = timed(lambda: jobs.run(":".join(dirs), "write", each)).seconds
     for d in dirs:
         for name in os.listdir(d):
             if name.startswith("fio."):
@@ -259,16 +255,18 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
         for path in (fp_path, fs_path):
             shutil.rmtree(path, ignore_errors=True)
         saves["fp-dcp"].append(
-            size / timed(device, lambda: dcp.save(state, storage_writer=writer, checkpoint_id=fp_path)) / GB
+            timed(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=fp_path), device=device).gbps(size)
         )
         fs = dcp.FileSystemWriter(fs_path, thread_count=1)
-        saves["FileSystemWriter t=1"].append(size / timed(device, lambda w=fs: dcp.save(state, storage_writer=w)) / GB)
+        saves["FileSystemWriter t=1"].append(
+            timed(lambda w=fs: dcp.save(state, storage_writer=w), device=device).gbps(size)
+        )
     writer.close()
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     host = {k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     loads: dict[str, list[float]] = {"fp-dcp": [], "fp-dcp into CPU": [], "FileSystemReader": [], "direct read": []}
     reader = FastPersistReader(fp_path)
-    fio = fio_binary()
+    fio = installed()
     data = [os.path.join(fp_path, n) for n in os.listdir(fp_path) if n.endswith(".distcp")]
     for _ in range(repeats):
         for name, path, load in (
@@ -278,7 +276,7 @@ def save_and_load(state: dict[str, Any], size: int, directory: str, repeats: int
             ("direct read", fp_path, lambda: direct_read(fio, data)),
         ):
             evict(path)
-            loads[name].append(size / timed(device, load) / GB)
+            loads[name].append(timed(load, device=device).gbps(size))
     bad = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not torch.equal(v, target[k])]
     return {
         "save_fp_gbps": statistics.median(saves["fp-dcp"]),
@@ -313,8 +311,8 @@ def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> 
         rates: dict[str, list[float]] = {"device": [], "cpu": [], "device_new_reader": []}
         with FastPersistReader(path) as reader:
             for _ in range(3):
-                rates["device"].append(size / timed(device, lambda: dcp.load(target, storage_reader=reader)) / GB)
-                rates["cpu"].append(size / timed(device, lambda: dcp.load(host, storage_reader=reader)) / GB)
+                rates["device"].append(timed(lambda: dcp.load(target, storage_reader=reader), device=device).gbps(size))
+                rates["cpu"].append(timed(lambda: dcp.load(host, storage_reader=reader), device=device).gbps(size))
         exact = all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
         def load_anew(into: dict[str, Any]) -> None:
@@ -322,7 +320,7 @@ def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> 
 
         for _ in range(3):
             fresh = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            rates["device_new_reader"].append(size / timed(device, functools.partial(load_anew, fresh)) / GB)
+            rates["device_new_reader"].append(timed(functools.partial(load_anew, fresh), device=device).gbps(size))
             exact = exact and all(torch.equal(fresh[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
         for name, kwargs in SHM_LOAD_VARIANTS.items():
             for t in target.values():
@@ -330,7 +328,8 @@ def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> 
                     t.zero_()
             with FastPersistReader(path, **kwargs) as reader:
                 rates[name] = [
-                    size / timed(device, lambda r=reader: dcp.load(target, storage_reader=r)) / GB for _ in range(2)
+                    timed(lambda r=reader: dcp.load(target, storage_reader=r), device=device).gbps(size)
+                    for _ in range(2)
                 ]
             exact = exact and all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
     finally:
@@ -345,12 +344,11 @@ def shm_load(state: dict[str, Any], size: int, memory_dir: str, device: str) -> 
     }
 
 
-def direct_read(fio: str | None, files: list[str]) -> None:
+def direct_read(fio: bool, files: list[str]) -> None:
     """The disk's direct read of ``files`` (fio at queue depth 16, 8 MiB requests; dd where there is no fio)."""
     for path in files:
         if fio:
-            args = [fio, "--name=read", f"--filename={path}", "--rw=read", "--bs=8M", "--iodepth=16", "--direct=1"]
-            subprocess.run([*args, "--ioengine=io_uring", "--output-format=terse"], check=True, capture_output=True)
+            Fio(depth=16, block=8 << 20).run(path, "read", os.path.getsize(path))
         else:
             subprocess.run(
                 ["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True
@@ -363,7 +361,7 @@ def async_vs_sync(state: dict[str, Any], directory: str, mode: str, repeats: int
     blocked: list[float] = []
     with FastPersistWriter(path, mode=mode) as writer:
         for rep in range(repeats + 1):  # sync and async alternate; the first round is a warm-up (arena, pool)
-            seconds = timed(device, lambda: dcp.save(state, storage_writer=writer))
+            seconds = timed(lambda: dcp.save(state, storage_writer=writer), device=device).seconds
             synchronize(device)
             start = time.perf_counter()
             response = dcp.async_save(state, storage_writer=writer, async_stager=writer)
@@ -406,7 +404,7 @@ def small_tensors(count: int, directory: str, device: str) -> dict[str, Any]:
         path = os.path.join(directory, "small-" + name.replace(" ", "-"))
         with gather_kernel(kernel), FastPersistWriter(path, config=config) as writer:
             dcp.save(state, storage_writer=writer)  # warm-up: pool, kernel compiled
-            wall = timed(device, lambda w=writer: dcp.save(state, storage_writer=w))
+            wall = timed(lambda w=writer: dcp.save(state, storage_writer=w), device=device).seconds
             summary = writer.last_save
         target = {k: torch.empty_like(v) for k, v in state.items()}
         dcp.load(target, storage_reader=FastPersistReader(path))
@@ -599,12 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=330, help="skip sections once this much time is spent")
     ap.add_argument("--demo-args", default=DEMO_ARGS, help="arguments for examples/train_demo.py")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (names above)")
+    ap.add_argument("--only", default="", help="comma-separated sections to run, the others skipped")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    use_carried_fio()
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
+    only = set(filter(None, args.only.split(",")))
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     args.dir = tempfile.mkdtemp(prefix="fp-dcp-check-", dir=args.dir)
@@ -614,13 +615,16 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "engine": engine,
-        "fio": fio_binary(),
+        "fio": shutil.which("fio"),
     }
     print(f"device: {results['device']}, torch {results['torch']}, engine {engine['engine']}", flush=True)
 
+    def wanted(name: str) -> bool:
+        return name not in skip and (not only or name in only)
+
     def section(name: str, seconds_needed: float, run: Callable[[], Any]) -> None:
         left = args.budget_s - (time.perf_counter() - began)
-        if name in skip:
+        if not wanted(name):
             return
         if left < seconds_needed:
             print(f"[{name}] skipped: {left:.0f} s left of the budget", flush=True)
@@ -640,8 +644,10 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             section("peaks", 10, copy_peaks)
             section("h2d_streams", 10, h2d_streams)
-        held = {"state": llm_state_dict(int(args.size_gib * GiB), device=device)}  # dropped before the rest
-        size = results["state_bytes"] = tensor_bytes(held["state"])
+        held: dict[str, Any] = {}  # the state of the sections that share it, dropped before the rest
+        if any(wanted(name) for name in ("staging", "disk", "shm_load", "async_snapshot", "async_streaming")):
+            held["state"] = llm_state_dict(int(args.size_gib * GiB), device=device)
+        size = results["state_bytes"] = tensor_bytes(held["state"]) if held else 0
         section("staging", 30, lambda: staging(held["state"], size, args.memory_dir, device))
         section("shm8", 40, lambda: shm8(int(args.shm_gib * GiB), args.memory_dir, device))
         section("disk", 60, lambda: save_and_load(held["state"], size, args.dir, args.repeats, device))

@@ -1,9 +1,11 @@
-"""CRC-32C on the GPU (``cuda/crc32c.cu``): the kernel's throughput, and GPU saves and loads with it against the host.
+"""The ``crc`` section of gpu_check.py: CRC-32C on the GPU (``cuda/crc32c.cu``), the kernel's throughput, and GPU
+saves and loads with it against the host.
 
-    python benchmarks/gpu_crc.py [--gib 1] [--memory-dir /dev/shm]
+    python benchmarks/gpu_check.py OUT_DIR --only crc [--memory-dir /dev/shm]
 
-``benchmarks/gpu_check.py`` runs the same as its ``crc`` section. Needs CUDA
-and cupy. Figures:
+This was a script of its own (``gpu_crc.py [--gib 1]``), measuring what
+gpu_check.py's ``crc`` section measures: the section is the one command now
+(1 GiB, as the script's default was). Needs CUDA and cupy. Figures:
 
 - the kernel on device memory, GB/s: one range, 32 MiB ranges (one staging
   buffer each, as a save launches it), 64 MiB in 4 KiB ranges (many small
@@ -17,13 +19,10 @@ and cupy. Figures:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.gpu.crc import Checksums, DeviceCrc
 from fp_dcp.gpu.memory import SideStream
-from fp_dcp.tools.workload import llm_state_dict, tensor_bytes
+from fp_dcp.testing.measure import rates, timed
+from fp_dcp.tools.workload import targets, tensor_bytes
 
 GiB = 1 << 30
 GB = 1e9
@@ -66,9 +66,8 @@ def kernel(nbytes: int, repeats: int = 5) -> dict[str, Any]:
         raise RuntimeError(f"the CRC kernel does not run here: {crc.backend}")
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     host = data.cpu().numpy()
-    start = time.perf_counter()
     whole = _cio.crc32c(host)
-    result: dict[str, Any] = {"bytes": nbytes, "host_crc32c_gbps": nbytes / (time.perf_counter() - start) / GB}
+    result: dict[str, Any] = {"bytes": nbytes, "host_crc32c_gbps": timed(lambda: _cio.crc32c(host)).gbps(nbytes)}
     # (bytes, range width): a launch's time includes building its table on the host, as in a save
     cuts = {"one range": (nbytes, nbytes), "32 MiB ranges": (nbytes, 32 << 20), "4 KiB ranges": (64 << 20, 4096)}
     for name, (used, width) in cuts.items():
@@ -103,22 +102,17 @@ def save_and_load(state: dict[str, Any], memory_dir: str, repeats: int = 3) -> d
         for mode in ("device", "host"):
             path = root / mode
             with host_checksums() if mode == "host" else contextlib.nullcontext():
-                saves, loads = [], []
                 with FastPersistWriter(path) as writer:
-                    dcp.save(state, storage_writer=writer)  # warm-up: pool, page-locking, the kernel built
-                    for _ in range(repeats):
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        dcp.save(state, storage_writer=writer)
-                        saves.append(size / (time.perf_counter() - start) / GB)
+                    # the warm-up: the pool, page-locking, the kernel built
+                    saves = rates(
+                        lambda w=writer: dcp.save(state, storage_writer=w), size, repeats, device="cuda", warm_ups=1
+                    )
                     staging = writer.last_save.staging if writer.last_save else "?"
-                target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                target = targets(state, "fresh")
                 with FastPersistReader(path) as reader:
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        dcp.load(target, storage_reader=reader)
-                        torch.cuda.synchronize()
-                        loads.append(size / (time.perf_counter() - start) / GB)
+                    loads = rates(
+                        lambda r=reader, t=target: dcp.load(t, storage_reader=r), size, repeats, device="cuda"
+                    )
             exact = all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
             crcs[mode] = {i.fqn: loc.crc32c for i, loc in open_checkpoint(path).metadata.storage_data.items()}
             result[mode] = {
@@ -158,19 +152,3 @@ def rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             f"{t['same_crcs']}; {t['device']['bit_exact'] and t['host']['bit_exact']}",
         ),
     ]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="state for the saves and loads, and bytes for the kernel")
-    ap.add_argument("--memory-dir", default="/dev/shm", help="tmpfs directory")
-    args = ap.parse_args()
-    nbytes = int(args.gib * GiB)
-    result = measure(llm_state_dict(nbytes, device="cuda"), args.memory_dir, nbytes)
-    for what, measured in rows(result):
-        print(f"  {what:<55}  {measured}")
-    print(json.dumps(result, indent=2, default=str))
-
-
-if __name__ == "__main__":
-    main()

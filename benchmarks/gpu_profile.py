@@ -14,23 +14,18 @@ import os
 import pstats
 import shutil
 import tempfile
-import time
 import warnings
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
 from fp_dcp._native import _cio
-from fp_dcp.tools.workload import llm_state_dict, tensor_bytes
+from fp_dcp.testing.measure import timed
+from fp_dcp.tools.workload import llm_state_dict, targets, tensor_bytes
 
 
 def rate(fn, nbytes: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return nbytes / (time.perf_counter() - start) / 1e9
+    return timed(fn, device="cuda").gbps(nbytes)
 
 
 def main() -> None:
@@ -41,13 +36,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     buf = bytearray(1 << 30)
     _cio.crc32c(buf)
-    start = time.perf_counter()
-    _cio.crc32c(buf)
-    print(f"crc32c, one thread: {len(buf) / (time.perf_counter() - start) / 1e9:.1f} GB/s")
+    print(f"crc32c, one thread: {timed(lambda: _cio.crc32c(buf)).gbps(len(buf)):.1f} GB/s")
     dst = bytearray(1 << 30)
-    start = time.perf_counter()
-    _cio.copy_crc32c(dst, buf)
-    print(f"copy_crc32c, one thread: {len(buf) / (time.perf_counter() - start) / 1e9:.1f} GB/s")
+    print(f"copy_crc32c, one thread: {timed(lambda: _cio.copy_crc32c(dst, buf)).gbps(len(buf)):.1f} GB/s")
     state = llm_state_dict(int(args.gib * (1 << 30)), device="cuda")
     size = tensor_bytes(state)
     root = tempfile.mkdtemp(dir="/dev/shm")
@@ -66,7 +57,7 @@ def main() -> None:
                     dcp.save(state, storage_writer=writer)
                     profile.disable()
                     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
-        target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        target = targets(state, "fresh")
         with FastPersistReader(os.path.join(root, "ck")) as reader:
             dcp.load(target, storage_reader=reader)
             runs = [rate(lambda: dcp.load(target, storage_reader=reader), size) for _ in range(2)]

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +40,8 @@ import torch.distributed.checkpoint as dcp
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp._native import _cio
 from fp_dcp.tensors import byte_view
+from fp_dcp.testing.measure import timed
+from fp_dcp.testing.states import differing
 
 MiB = 1 << 20
 
@@ -72,35 +72,17 @@ def changing_state(gb: float) -> dict[str, torch.Tensor]:
 
 def timed_save(state: dict[str, Any], path: str, writer: FastPersistWriter) -> tuple[float, float, int]:
     """(seconds, CPU seconds, bytes written) of one dcp.save."""
-    cpu = _cpu()
-    start = time.perf_counter()
-    dcp.save(state, checkpoint_id=path, storage_writer=writer)
-    seconds = time.perf_counter() - start
+    took = timed(lambda: dcp.save(state, checkpoint_id=path, storage_writer=writer))
     assert writer.last_save is not None
-    return seconds, _cpu() - cpu, writer.last_save.bytes
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return took.seconds, took.cpu_seconds, writer.last_save.bytes
 
 
 def hash_only(tensors: list[torch.Tensor], threads: int) -> float:
     def one(t: torch.Tensor) -> None:
         _cio.crc32c(byte_view(t), 0, _cio.Hash128())
 
-    start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, tensors))
-    return time.perf_counter() - start
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return bool(a == b)
+        return timed(lambda: list(pool.map(one, tensors))).seconds
 
 
 def zeros_like(state: Any) -> Any:
@@ -152,11 +134,11 @@ def main() -> None:
             rows.setdefault("fine-tuning hash only", []).append((hash_only(frozen, threads), 0.0, 0))
         out = zeros_like(state)
         dcp.load(out, checkpoint_id=bases["fine-tuning"], storage_reader=FastPersistReader())
-        exact_ft = same(out, state)
+        exact_ft = not differing(state, out)
         del out
         out_c = zeros_like(changing)
         dcp.load(out_c, checkpoint_id=bases["changing"], storage_reader=FastPersistReader())
-        exact_c = same(out_c, changing)
+        exact_c = not differing(changing, out_c)
         plain.close()
         incremental.close()
 

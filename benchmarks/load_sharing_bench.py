@@ -25,19 +25,14 @@ import contextlib
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ranks import spawn
 from scaling_bench import throttled_devices
 
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
+from fp_dcp.testing.measure import quiesce, timed
+from fp_dcp.testing.ranks import run_node
 
 MiB = 1 << 20
 
@@ -51,7 +46,6 @@ def state(gb: float):
 
 def load(rank: int, world: int, path: str, gb: float, reader: str) -> dict:
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from fp_dcp import FastPersistReader
@@ -60,11 +54,7 @@ def load(rank: int, world: int, path: str, gb: float, reader: str) -> dict:
     for v in target.values():
         v.zero_()  # touched: the load measures the disk and the network, not page faults
     r = FastPersistReader(path, share=reader == "shared") if reader != "stock" else dcp.FileSystemReader(path)
-    dist.barrier()
-    start = time.perf_counter()
-    dcp.load(target, storage_reader=r)
-    dist.barrier()
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: dcp.load(target, storage_reader=r), barrier=True).seconds
     ok = all(torch.equal(target[k], v) for k, v in state(gb).items())
     last = getattr(r, "last_load", None)
     return {
@@ -81,11 +71,6 @@ def disk_read(disk: str | None) -> int:
     if counters is None:
         raise RuntimeError(f"the disk {disk} is not in /proc/diskstats")
     return counters.sectors_read * 512
-
-
-def drop_caches() -> None:
-    os.sync()
-    subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
 
 
 def main() -> None:
@@ -116,9 +101,9 @@ def main() -> None:
         rows: dict[str, list[tuple[float, int, list[dict]]]] = {"shared": [], "unshared": [], "stock": []}
         for _ in range(args.rounds):
             for reader, path in (("shared", fp), ("unshared", fp), ("stock", stock)):
-                drop_caches()
+                quiesce()
                 before = disk_read(disk_name)
-                results = spawn(4, load, path, args.gb, reader)
+                results = run_node(4, load, path, args.gb, reader)
                 disk = disk_read(disk_name) - before
                 assert all(r["ok"] for r in results), (reader, results)
                 rows[reader].append((max(r["seconds"] for r in results), disk, results))

@@ -30,24 +30,33 @@ machines): the kill lands before the preemption save, in the middle of
 it (or of the async save it waits for), or after it. Besides the above,
 a step the child said it saved for the preemption must be the one
 restored (``lost`` otherwise).
+
+The children are processes forked from a server that has imported torch
+once (``fp_dcp.testing.processes``): a trial costs its saves and its
+restore, not two interpreters' start-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from multiprocessing.connection import Connection
+from typing import Any
 
-STATE = """
 import torch
-def state_at(step, rows):
+
+from fp_dcp import CheckpointManager, IOConfig
+from fp_dcp.testing.processes import context
+
+
+def state_at(step: int, rows: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     frozen = torch.Generator().manual_seed(0)
     return {
@@ -55,77 +64,94 @@ def state_at(step, rows):
         "frozen": torch.randn(rows // 2, 1024, generator=frozen),
         "step": torch.tensor(step),
     }
-"""
 
-CHILD = (
-    STATE
-    + """
-import sys, time
-from fp_dcp import CheckpointManager, IOConfig
-root, engine, rows, incremental = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-preemption = sys.argv[5] == "1"
-mgr = CheckpointManager(
-    root, keep_last=2, incremental=incremental, config=IOConfig(engine=engine), save_on_preemption=preemption
-)
-start = (mgr.restore({k: torch.zeros_like(v) for k, v in state_at(0, rows).items()}) or 0) + 1
-print("ready", flush=True)
-for step in range(start, start + 100000):
-    if mgr.should_save(step):
-        mgr.save(step, state_at(step, rows))
-    if mgr.preempted:
-        print("preempted", step, flush=True)
-        time.sleep(3600)  # the grace period runs out: SIGKILL comes
-"""
-)
 
-CHECK = (
-    STATE
-    + """
-import json, sys
-from fp_dcp import CheckpointManager, IOConfig
-root, engine, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
-state = {k: torch.full_like(v, -1) for k, v in state_at(0, rows).items()}
-with CheckpointManager(root, config=IOConfig(engine=engine)) as mgr:
-    step = mgr.restore(state)
-exact = None
-if step is not None:
-    expected = state_at(step, rows)
-    exact = all(torch.equal(state[k], expected[k]) for k in expected)
-print(json.dumps({"step": step, "exact": exact}))
-"""
-)
+def _quiet() -> None:
+    """A child's output is its own: what a killed training loop or a restore logs is no part of the report."""
+    warnings.filterwarnings("ignore")
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+
+
+def _train(conn: Connection, root: str, engine: str, rows: int, incremental: bool, preemption: bool) -> None:
+    """The job: restore from ``root``, then save step after step until killed; says "ready", and which step it
+    saved for a preemption."""
+    _quiet()
+    mgr = CheckpointManager(
+        root, keep_last=2, incremental=incremental, config=IOConfig(engine=engine), save_on_preemption=preemption
+    )
+    start = (mgr.restore({k: torch.zeros_like(v) for k, v in state_at(0, rows).items()}) or 0) + 1
+    conn.send(("ready", None))
+    for step in range(start, start + 100000):
+        if mgr.should_save(step):
+            mgr.save(step, state_at(step, rows))
+        if mgr.preempted:
+            conn.send(("preempted", step))
+            time.sleep(3600)  # the grace period runs out: SIGKILL comes
+
+
+def _check(conn: Connection, root: str, engine: str, rows: int) -> None:
+    """A fresh process restores ``root``: the step and whether its tensors are exactly that step's."""
+    _quiet()  # the steps it skips are logged: an error is what it sends
+    try:
+        state = {k: torch.full_like(v, -1) for k, v in state_at(0, rows).items()}
+        with CheckpointManager(root, config=IOConfig(engine=engine)) as mgr:
+            step = mgr.restore(state)
+        exact = None
+        if step is not None:
+            expected = state_at(step, rows)
+            exact = all(torch.equal(state[k], expected[k]) for k in expected)
+        conn.send({"step": step, "exact": exact})
+    except BaseException as e:
+        conn.send({"outcome": "error", "why": f"{type(e).__name__}: {e}"})
 
 
 def trial(
     root: str, engine: str, incremental: bool, rows: int, delay: float, grace: float | None, deadline: float
-) -> dict:
+) -> dict[str, Any]:
     """One kill, ``delay`` s after start-up: SIGKILL; with ``grace``, SIGTERM and SIGKILL ``grace`` s later."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, root, engine, str(rows), str(int(incremental)), str(int(grace is not None))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    assert child.stdout is not None
-    if child.stdout.readline() != b"ready\n":
-        child.kill()
-        return {"outcome": "error", "why": "the child did not start (its restore failed?)"}
-    time.sleep(delay)
-    if grace is not None:
-        child.send_signal(signal.SIGTERM)
-        time.sleep(grace)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    said = child.stdout.read().split()
-    preempted = int(said[said.index(b"preempted") + 1]) if b"preempted" in said else None
+    ctx: Any = context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_train, args=(sender, root, engine, rows, incremental, grace is not None))
+    child.start()
+    sender.close()
     try:
-        check = subprocess.run(
-            [sys.executable, "-c", CHECK, root, engine, str(rows)], capture_output=True, text=True, timeout=deadline
-        )
-    except subprocess.TimeoutExpired:
-        return {"outcome": "hang"}
-    if check.returncode != 0:
-        return {"outcome": "error", "why": check.stderr.strip().splitlines()[-1:]}
-    return {**json.loads(check.stdout), "preempted": preempted}
+        if not receiver.poll(deadline) or receiver.recv()[0] != "ready":
+            return {"outcome": "error", "why": "the child did not start (its restore failed?)"}
+        time.sleep(delay)
+        if grace is not None:
+            os.kill(child.pid, signal.SIGTERM)
+            time.sleep(grace)
+    except EOFError:
+        return {"outcome": "error", "why": f"the child died before it was killed (exit code {child.exitcode})"}
+    finally:
+        child.kill()
+        child.join()
+    preempted = None
+    while receiver.poll():
+        try:
+            said, step = receiver.recv()
+        except EOFError:
+            break
+        if said == "preempted":
+            preempted = step
+    receiver.close()
+    receiver, sender = ctx.Pipe(duplex=False)
+    check = ctx.Process(target=_check, args=(sender, root, engine, rows))
+    check.start()
+    sender.close()
+    try:
+        if not receiver.poll(deadline):
+            return {"outcome": "hang"}
+        result: dict[str, Any] = receiver.recv()
+    except EOFError:
+        return {"outcome": "error", "why": f"the restoring process died (exit code {check.exitcode})"}
+    finally:
+        check.kill()
+        check.join()
+        receiver.close()
+    return {**result, "preempted": preempted}
 
 
 def main() -> int:
@@ -178,4 +204,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

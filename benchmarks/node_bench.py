@@ -7,7 +7,7 @@
 N ranks (default: min(8, cores)), one process each, form a gloo process
 group; with ``--device cuda`` every rank holds its state on ``cuda:0`` (NCCL
 cannot put two ranks on one GPU; gloo carries DCP's plans). Each rank builds
-a Llama-shaped bf16 model (``benchmarks/llama.py``; ``--gb`` GiB of state in
+a Llama-shaped bf16 model (``fp_dcp.testing.llama``; ``--gb`` GiB of state in
 all, AdamW's two moments included with ``--optimizer``) on the meta device,
 shards it with FSDP2's ``fully_shard``, materializes it (``to_empty``) and
 fills its shard from a generator seeded by its rank (one AdamW step fills
@@ -66,24 +66,21 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from llama import GiB, layers_for, llama_shapes, sharded_model
-from ranks import spawn
-from torch.distributed.tensor import DTensor
 
 from fp_dcp import FastPersistReader, FastPersistWriter, engine_info
 from fp_dcp.io.device import disk_of, filesystem_of
-from fp_dcp.tools.bench import cpu_seconds, evict, first_touch
+from fp_dcp.testing.llama import GiB, layers_for, llama_shapes, sharded_model, share_of
+from fp_dcp.testing.measure import timed
+from fp_dcp.testing.ranks import run_node
+from fp_dcp.testing.states import differing, leaves
+from fp_dcp.tools.bench import first_touch
 from fp_dcp.tools.fio import BLOCK, DEPTH, Jobs, reference
-from fp_dcp.tools.workload import recycle
+from fp_dcp.tools.workload import cpu_seconds, evict, recycle
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -110,11 +107,6 @@ def widths(gib: float) -> tuple[int, int, int]:
     return hidden, inter, vocab
 
 
-def share_of(shapes: dict[str, tuple[int, ...]], ranks: int) -> dict[str, tuple[int, ...]]:
-    """Rank 0's share of each tensor under FSDP2 (dim 0 cut in ``ranks`` chunks, the first the largest)."""
-    return {name: (-(-shape[0] // ranks), *shape[1:]) for name, shape in shapes.items()}
-
-
 def training_state(shapes: dict[str, tuple[int, ...]], mesh: Any, optimizer: bool, seed: int | None) -> dict:
     """This rank's ``get_state_dict`` of an FSDP2 model (and AdamW): filled from ``seed``, or, with ``None``
     (a load's target), as ``to_empty`` left it."""
@@ -138,20 +130,6 @@ def training_state(shapes: dict[str, tuple[int, ...]], mesh: Any, optimizer: boo
     return {"model": model_state, "optim": optim_state}
 
 
-def leaves(state: Any, name: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted name, value) of every leaf of a nested state dict, tensors as this rank's local part."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            yield from leaves(value, f"{name}.{key}" if name else str(key))
-    else:
-        yield name, state.to_local() if isinstance(state, DTensor) else state
-
-
-def equal_leaves(a: Any, b: Any) -> list[tuple[str, bool]]:
-    pairs = zip(leaves(a), leaves(b), strict=True)
-    return [(n, torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y) for (n, x), (_, y) in pairs]
-
-
 def tensor_bytes(state: dict) -> int:
     return sum(v.nbytes for _, v in leaves(state) if isinstance(v, torch.Tensor))
 
@@ -159,17 +137,10 @@ def tensor_bytes(state: dict) -> int:
 # ------------------------------------------------------------------------------------------------- one rank
 
 
-def timed(device: str, step: Callable[[], object]) -> tuple[float, float]:
+def phase(device: str, step: Any) -> tuple[float, float]:
     """Seconds from a barrier before ``step`` to one after it (the slowest rank's), and this process's CPU-s."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    cpu, start = cpu_seconds(), time.perf_counter()
-    step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    return time.perf_counter() - start, cpu_seconds() - cpu
+    took = timed(step, device=device, barrier=True)
+    return took.seconds, took.cpu_seconds
 
 
 def warm_up(saved: dict, writer: FastPersistWriter, path: str) -> None:
@@ -199,7 +170,7 @@ def save_and_load(
         warm_up(saved, writer, os.path.join(dirs[0], "warm-up"))
         if tmpfs:
             recycle(dirs[rank % len(dirs)], tensor_bytes(saved), f"recycled.{rank}")
-        save = timed(device, lambda: dcp.save(saved, storage_writer=writer, checkpoint_id=path))
+        save = phase(device, lambda: dcp.save(saved, storage_writer=writer, checkpoint_id=path))
     # untouched until the load, whose page faults count (with --optimizer, the zero step torch takes to make the
     # optimizer's state touches the parameters and the moments)
     fresh = training_state(shapes, mesh, optimizer, seed=None)
@@ -208,11 +179,11 @@ def save_and_load(
         for d in dirs:
             evict(d)
     reader = FastPersistReader(path)
-    load = timed(device, lambda: dcp.load(fresh, storage_reader=reader))
+    load = phase(device, lambda: dcp.load(fresh, storage_reader=reader))
     # host targets' other limit, the memory's: as many bytes faulted in, the way the load's helpers do it, while
     # the targets are still held (so it cannot be handed their pages)
-    touch = timed(device, lambda: first_touch(tensor_bytes(saved))("")) if touch_too else None
-    wrong = [n for n, same in equal_leaves(saved, fresh) if not same]
+    touch = phase(device, lambda: first_touch(tensor_bytes(saved))("")) if touch_too else None
+    wrong = differing(saved, fresh)
     return {"bytes": tensor_bytes(saved), "save": save, "load": load, "touch": touch, "wrong": wrong[:3]}
 
 
@@ -260,9 +231,10 @@ def one_round(dirs: list[str], args: argparse.Namespace, shapes: dict, fio: Jobs
     try:
         host = args.device == "cpu"  # host targets: the memory's first touch is a limit of their loads
         tmpfs = filesystem_of(work[0]) == "tmpfs"
-        ranks = spawn(args.ranks, save_and_load, shapes, work, args.device, args.optimizer, host, tmpfs)
+        ranks = run_node(args.ranks, save_and_load, shapes, work, args.device, args.optimizer, host, tmpfs)
         clear(work)
-        one = spawn(1, save_and_load, share_of(shapes, args.ranks), work, args.device, args.optimizer, False, tmpfs)[0]
+        mine = share_of(shapes, args.ranks)
+        one = run_node(1, save_and_load, mine, work, args.device, args.optimizer, False, tmpfs)[0]
         clear(work)
         for who, r in [*enumerate(ranks), ("alone", one)]:
             if r["wrong"]:

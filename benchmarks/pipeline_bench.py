@@ -13,7 +13,9 @@ of its own, alternating, and prints the GB/s of ``write_data`` (the
 pipeline; ``SaveSummary.seconds``), of the whole ``dcp.save``, and the
 CPU-seconds per GB, with the median ratio. Settings are each checkout's
 defaults; ``--direct-writes`` forces the choice between copying through the
-staging buffers (0) and writing from tensor memory (1) in both.
+staging buffers (0) and writing from tensor memory (1) in both. Run it with
+this checkout's fp-dcp importable (``PYTHONPATH=.``, or installed in place);
+the checkouts' children run as ``fp_dcp.testing.checkouts`` says.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+# The child runs with each checkout's fp-dcp: what it uses must be in the baseline too (not fp_dcp.testing).
 
 
 def child(gb: float, directory: str, direct_writes: str | None) -> None:
@@ -71,16 +72,14 @@ def child(gb: float, directory: str, direct_writes: str | None) -> None:
     writer.close()
 
 
-def run_checkout(checkout: Path, gb: float, directory: str, direct_writes: str | None) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "FP_DCP_ENGINE": "null"}
-    args = [sys.executable, __file__, "--child", "--gb", str(gb), "--dir", directory]
+def run_checkout(name: str, checkout: Path, gb: float, directory: str, direct_writes: str | None) -> dict[str, float]:
+    from fp_dcp.testing.checkouts import run_child
+
+    argv = [__file__, "--child", "--gb", str(gb), "--dir", directory]
     if direct_writes is not None:
-        args += ["--direct-writes", direct_writes]
-    out = subprocess.run(args, env=env, cwd=checkout, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"{checkout}: {out.stderr.strip().splitlines()[-1]}")
+        argv += ["--direct-writes", direct_writes]
+    result: dict[str, float] = run_child(name, checkout, argv, env={"FP_DCP_ENGINE": "null"})
     shutil.rmtree(directory, ignore_errors=True)  # a baseline may have published its (empty) checkpoint
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -97,13 +96,13 @@ def main() -> int:
     if args.child:
         child(args.gb, directory, args.direct_writes)
         return 0
-    checkouts = {"this checkout": HERE}
-    if args.baseline is not None:
-        checkouts["baseline"] = args.baseline.resolve()
+    from fp_dcp.testing.checkouts import checkouts as both
+
+    checkouts = both(args.baseline)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for r in range(args.rounds):
         for name, checkout in checkouts.items():
-            runs[name].append(run_checkout(checkout, args.gb, directory, args.direct_writes))
+            runs[name].append(run_checkout(name, checkout, args.gb, directory, args.direct_writes))
             last = runs[name][-1]
             print(f"  round {r + 1} {name:<14} pipeline {last['pipeline_gbps']:6.2f} GB/s", file=sys.stderr)
     med = statistics.median

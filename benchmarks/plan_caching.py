@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import spawn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter
+from fp_dcp.testing.ranks import run_node
 
 RUNS = [
     ("FileSystemWriter", "DefaultSavePlanner"),
@@ -90,7 +90,7 @@ def main() -> int:
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="fp-dcp-plan-caching-", dir=args.dir)
     try:
-        result = spawn(args.world, _saves, root, args.items, args.saves, args.repeats)[0]
+        result = run_node(args.world, _saves, root, args.items, args.saves, args.repeats)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.world} ranks, {args.items} items of 1 KiB, a new directory per save; median seconds per save")

@@ -30,16 +30,11 @@ import random
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from ranks import spawn  # noqa: E402  (a script beside this one)
+from fp_dcp.testing.ranks import run_node
 
 MiB = 1 << 20
 
@@ -127,7 +122,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fp-dcp-preemption-", dir=args.dir) as tmp:
-        per_rank = spawn(args.ranks, check_cost, tmp, args.steps, args.step_ms, args.rounds, tcp=True)
+        per_rank = run_node(args.ranks, check_cost, tmp, args.steps, args.step_ms, args.rounds, tcp=True)
         print(f"per-step cost of the agreement: {args.ranks} ranks, TCPStore, {args.step_ms:g} ms steps, ", end="")
         print(f"{args.steps} steps x {args.rounds} rounds each")
         medians = {}
@@ -145,7 +140,7 @@ def main() -> None:
         saves = []
         for trial in range(args.trials):
             seed = args.seed + trial
-            results = spawn(args.ranks, signal_to_published, tmp, args.mib, args.every, args.step_ms, seed, tcp=True)
+            results = run_node(args.ranks, signal_to_published, tmp, args.mib, args.every, args.step_ms, seed, tcp=True)
             r = next(x for x in results if x is not None)
             saves.append(r["seconds_saving"])
             published = r["seconds_to_step"] + r["seconds_waiting"] + r["seconds_saving"]

@@ -70,25 +70,22 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed.checkpoint as dcp
-from llama import layers_for, llama_shapes, sharded_model
-from ranks import spawn
 from safetensors_peers import Targets, loaders
 
 from fp_dcp import FastPersistReader
 from fp_dcp._native import _cio
 from fp_dcp.io.device import disk_of
 from fp_dcp.io.diskstats import DiskCounters
+from fp_dcp.testing.llama import layers_for, llama_shapes, sharded_model
+from fp_dcp.testing.measure import timed
+from fp_dcp.testing.ranks import run_node
 from fp_dcp.tools.fio import Fio, reference
-from fp_dcp.tools.workload import copy_peaks, cpu_seconds, evict, fresh_allocations
+from fp_dcp.tools.workload import copy_peaks, evict, fresh_allocations
 
 GB = 1e9
 INDEX = "model.safetensors.index.json"
@@ -159,15 +156,10 @@ def fio_read(fio: Fio, path: str, size: int) -> Callable[[], None]:
     return run
 
 
-def timed(load: Callable[[], None], size: int, device: str) -> tuple[float, float]:
-    """GB/s and CPU-seconds per GB of one load."""
-    cpu0 = cpu_seconds() + cpu_seconds(-1)
-    start = time.perf_counter()
-    load()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return size / seconds / GB, (cpu_seconds() + cpu_seconds(-1) - cpu0) / (size / GB)
+def rate(load: Callable[[], None], size: int, device: str) -> tuple[float, float]:
+    """GB/s and CPU-seconds per GB (this process and its children: fio) of one load."""
+    took = timed(load, device=device, children=True)
+    return took.gbps(size), took.cpu_s_per_gb(size)
 
 
 Results = dict[str, dict[str, list[tuple[float, float]]]]  # kind -> method -> (GB/s, CPU-s/GB) per round
@@ -192,7 +184,7 @@ def run_one_rank(
         for r in range(rounds):
             if fio is not None:
                 evict(fio_file)
-                result = timed(read, size, "cpu")
+                result = rate(read, size, "cpu")
                 for kind in kinds:
                     results[kind].setdefault(fio_name, []).append(result)
                 print(f"round {r + 1} {fio_name}: {result[0]:.3f} GB/s", flush=True)
@@ -200,7 +192,7 @@ def run_one_rank(
                 for name, load in methods.items():
                     target = make_targets(shapes, kind, device)
                     evict(directory)
-                    results[kind][name].append(timed(functools.partial(load, target), size, device))
+                    results[kind][name].append(rate(functools.partial(load, target), size, device))
                     bad = sum(digest(target[n]) != want[n] for n in want)  # untimed
                     if bad:
                         wrong[f"{kind} {name}"] = wrong.get(f"{kind} {name}", 0) + 1
@@ -257,10 +249,7 @@ def load_fsdp2(rank: int, world: int, directory: str, shapes: dict, reader: str,
     disk = disk_of(directory)
     dist.barrier()
     before = disk_read(disk)  # from here: every rank has started (imports read from the disk too)
-    start = time.perf_counter()
-    dcp.load(state, storage_reader=storage)
-    dist.barrier()
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: dcp.load(state, storage_reader=storage), barrier=True).seconds
     after = disk_read(disk)
     ok = True
     if check:
@@ -290,7 +279,7 @@ def run_four_ranks(directory: str, shapes: dict, size: int, rounds: int) -> dict
     for r in range(rounds):
         for reader in results:
             evict(directory)
-            ranks = spawn(4, load_fsdp2, directory, shapes, reader, r == 0)
+            ranks = run_node(4, load_fsdp2, directory, shapes, reader, r == 0)
             disk = ranks[0]["disk"]  # the disk's count over the load, all ranks together
             assert all(x["ok"] for x in ranks), (reader, ranks)
             results[reader].append((max(x["seconds"] for x in ranks), disk))

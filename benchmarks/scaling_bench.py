@@ -32,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import spawn
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from fp_dcp import FastPersistReader, FastPersistWriter
+from fp_dcp.testing.measure import timed
+from fp_dcp.testing.ranks import run_node
 
 THROTTLE = "/sys/fs/cgroup/blkio/blkio.throttle.{}_bps_device"  # read or write
 MB = 10**6
@@ -116,11 +117,9 @@ def _scaling_rank(rank: int, world: int, mounts: list[str], ks: list[int], per_d
         rates = []
         for rep in range(repeats):
             writer.reset(os.path.join(mounts[0], f"ckpt-{k}-{rep}"))
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=writer)
-            dist.barrier()
-            rates.append(int(total) / (time.perf_counter() - t0))
+            rates.append(
+                int(total) / timed(lambda w=writer, s=state: dcp.save(s, storage_writer=w), barrier=True).seconds
+            )
             if rank == 0:
                 shutil.rmtree(os.path.join(mounts[0], f"ckpt-{k}-{rep}"))
                 for m in mounts[:k]:
@@ -156,7 +155,7 @@ def scaling(args: argparse.Namespace) -> list[dict]:
             limit = statistics.median(dd_limit(mounts[0], min(200, args.per_device_mb)) for _ in range(2))
             rows = []
             for world in (1, 2):
-                rows += spawn(world, _scaling_rank, mounts, ks, args.per_device_mb * MB, args.repeats)[0]
+                rows += run_node(world, _scaling_rank, mounts, ks, args.per_device_mb * MB, args.repeats)[0]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\nper-device write limit set {args.limit_mbps} MB/s, measured with dd oflag=direct: {limit / MB:.0f} MB/s")
@@ -175,8 +174,8 @@ def scaling(args: argparse.Namespace) -> list[dict]:
 def resharding(args: argparse.Namespace) -> list[dict]:
     path = tempfile.mkdtemp(prefix="fp-dcp-reshard-", dir=args.dir)
     try:
-        spawn(2, _reshard_rank, path, "save")
-        rows = spawn(3, _reshard_rank, path, "load")
+        run_node(2, _reshard_rank, path, "save")
+        rows = run_node(3, _reshard_rank, path, "load")
     finally:
         shutil.rmtree(path, ignore_errors=True)
     print("\nresharding load: saved by 2 ranks as Shard(0), loaded by 3 ranks as Shard(1) (4 x [2048, 4096] fp32);")

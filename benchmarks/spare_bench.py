@@ -37,22 +37,17 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from llama import GiB
 
 from fp_dcp import CheckpointManager
+from fp_dcp.testing.llama import GiB
+from fp_dcp.testing.measure import timed
 from fp_dcp.tools.fio import Jobs, reference
-from fp_dcp.tools.workload import cpu_seconds, llm_state_dict, tensor_bytes
+from fp_dcp.tools.workload import llm_state_dict, tensor_bytes
 
 
 def timed_save(manager: CheckpointManager, step: int, state: dict, nbytes: int) -> dict:
-    cpu, start = cpu_seconds(), time.perf_counter()
-    manager.save(step, state)
-    seconds = time.perf_counter() - start
-    return {"gbps": nbytes / seconds / 1e9, "cpu_s_per_gb": (cpu_seconds() - cpu) / (nbytes / 1e9)}
+    took = timed(lambda: manager.save(step, state))
+    return {"gbps": took.gbps(nbytes), "cpu_s_per_gb": took.cpu_s_per_gb(nbytes)}
 
 
 def fio_write(fio: Jobs, directory: str, nbytes: int, new_file: bool) -> dict:

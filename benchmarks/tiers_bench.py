@@ -25,24 +25,20 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from ranks import spawn  # noqa: E402  (a script beside this one)
+from fp_dcp.testing.measure import timed
+from fp_dcp.testing.ranks import run_node
 
 MiB = 1 << 20
 
 
 def saves(rank: int, world: int, tmp: str, mib: int, steps: int, replicas: int) -> dict[str, float]:
     import torch
-    from tiers_util import manager
+
+    from fp_dcp.testing.tiers import manager
 
     state = {f"w{rank}": torch.randn(mib * MiB // 4)}
     times = []
@@ -76,28 +72,28 @@ def transport(rank: int, world: int, tmp: str, mib: int) -> dict[str, float]:
     group = Group(None)
     t = Transfer(key, 0, 1, layout.files()[key])
     out: dict[str, float] = {}
-    for _ in range(2):  # the second round is timed: the source file is in the page cache, as just written
-        dist.barrier()
-        start = time.perf_counter()
+
+    def copy() -> None:
         Transport(group).run(
             [t],
             source=lambda tr: os.path.join(source, os.path.basename(tr.key)),
             sink=lambda tr: FileSink(os.path.join(target, tr.key), layout.check(tr.key)),
         )
-        dist.barrier()
-        out["transport"] = size / (time.perf_counter() - start) / 1e9
+
+    for _ in range(2):  # the second round is timed: the source file is in the page cache, as just written
+        out["transport"] = timed(copy, barrier=True).gbps(size)
         if rank == 1:
             shutil.rmtree(target)
     buf = torch.empty(8 * MiB, dtype=torch.uint8)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(size // buf.numel()):
-        if rank == 0:
-            dist.send(buf, 1)
-        else:
-            dist.recv(buf, 0)
-    dist.barrier()
-    out["gloo"] = size / (time.perf_counter() - start) / 1e9
+
+    def send() -> None:
+        for _ in range(size // buf.numel()):
+            if rank == 0:
+                dist.send(buf, 1)
+            else:
+                dist.recv(buf, 0)
+
+    out["gloo"] = timed(send, barrier=True).gbps(size)
     return out
 
 
@@ -158,7 +154,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for replicas in (1, 2):
                 tmp = tempfile.mkdtemp(dir=base)
-                results = spawn(4, saves, tmp, args.mib, args.steps, replicas)
+                results = run_node(4, saves, tmp, args.mib, args.steps, replicas)
                 rows[replicas].append({k: max(r[k] for r in results) for k in results[0]})
                 shutil.rmtree(tmp)
         print(
@@ -181,7 +177,7 @@ def main() -> None:
 
         src = os.path.join(base, "xfer", "src", "step-1")
         dcp.save({"w": torch.randn(args.mib * MiB)}, storage_writer=FastPersistWriter(src), no_dist=True)
-        figures = spawn(2, transport, os.path.join(base, "xfer"), args.mib)
+        figures = run_node(2, transport, os.path.join(base, "xfer"), args.mib)
         tcp = tcp_loopback(4 * args.mib * MiB)
         disk = disk_write(os.path.join(base, "xfer"), 4 * args.mib * MiB)
         xfer, gloo = figures[1]["transport"], figures[1]["gloo"]

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -47,8 +47,9 @@ import torch.distributed.checkpoint as dcp
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp._native import _cio
 from fp_dcp.config import IOConfig
+from fp_dcp.testing.measure import timed
 from fp_dcp.tools.fio import Jobs, installed
-from fp_dcp.tools.workload import cpu_seconds, fresh_allocations, llm_state_dict, targets, tensor_bytes
+from fp_dcp.tools.workload import fresh_allocations, llm_state_dict, targets, tensor_bytes
 from fp_dcp.units import PAGE, MiB
 
 KINDS = ("touched", "fresh")
@@ -122,11 +123,9 @@ def main() -> None:
                 for partly in read_into_cache(args.dir):
                     print(f"warning: not every page in the page cache: {partly}")
                 target = targets(state, kind)
-                cpu, start = cpu_seconds(), time.perf_counter()
-                methods[name](target)
-                seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+                took = timed(functools.partial(methods[name], target))
                 assert all(torch.equal(target[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
-                results.setdefault((name, kind), []).append((size / seconds / 1e9, cpu / (size / 1e9)))
+                results.setdefault((name, kind), []).append((took.gbps(size), took.cpu_s_per_gb(size)))
                 del target
         if fio is not None:
             read_into_cache(args.dir)

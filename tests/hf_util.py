@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from llama import llama_shapes, module_with
+from fp_dcp.testing.llama import llama_shapes, module_with
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is in the test extra")
 

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import needs_xxhash, same_bytes
-from dist_util import run_ranks
 from test_docs_examples import ROOT, blocks, run_python
 from test_preemption import Messages
-from tiers_util import drop_node, restore, same_state, save_steps
+from tiers_util import drop_node, restore, save_steps
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, list_steps
 from fp_dcp.net.group import SHARED_DEFAULT_GROUP
+from fp_dcp.testing.ranks import run_ranks
+from fp_dcp.testing.tiers import same_state
 from fp_dcp.training.steps import step_directory
 
 pytestmark = needs_xxhash  # the loops include incremental runs

@@ -1,18 +1,15 @@
 """Crash trials, CI-sized: SIGKILL a save in every step, fresh and overwriting, then load.
 
-The harness is benchmarks/crash_trials.py.
+The harness is fp_dcp.testing.crash (benchmarks/crash_trials.py runs it for the figures).
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import crash_trials  # a script, not a package: found through the path above
+from fp_dcp.testing import crash as crash_trials
+from fp_dcp.testing.states import digests, make_state
 
 TRIALS = 20  # 16 kills at the start of each step (8 steps x fresh/overwrite) and 4 at random times
 SIZE = 8 << 20
@@ -63,6 +60,6 @@ def test_harness_tells_a_wrong_checkpoint_from_a_right_one(tmp_path):
 
 
 def test_states_differ_in_every_tensor_between_versions():
-    a, b = (crash_trials.digests(crash_trials.make_state(1 << 20, v)) for v in (1, 2))
+    a, b = (digests(make_state(1 << 20, v)) for v in (1, 2))
     assert a.keys() == b.keys() and all(a[k] != b[k] for k in a)
-    assert crash_trials.digests(crash_trials.make_state(1 << 20, 1)) == a  # and are reproducible
+    assert digests(make_state(1 << 20, 1)) == a  # and are reproducible

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import failure, metadata_failure, needs_torch, same_bytes
-from dist_util import run_ranks, run_ranks_outcomes
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, compat
 from fp_dcp.checkpoint import published_files
 from fp_dcp.format import METADATA_NAME, parse_data_file_name
+from fp_dcp.testing.ranks import run_ranks, run_ranks_outcomes
 
 
 @pytest.fixture(autouse=True)

@@ -9,13 +9,13 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_util import run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._storage_utils import _storage_setup
 
 import fp_dcp
 from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.testing.ranks import run_ranks
 
 
 def kind(path) -> str:
@@ -111,3 +111,13 @@ def test_spawned_ranks_inherit_the_environment_variable(tmp_path, monkeypatch):
     back = {"r0": torch.zeros(8), "r1": torch.zeros(8), "shared": torch.zeros(4)}
     dcp.load(back, storage_reader=FastPersistReader(root))
     assert torch.equal(back["r1"], torch.ones(8)) and torch.equal(back["shared"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("value", ["1", ""])
+def test_forked_ranks_follow_the_environment_not_the_fork_servers(tmp_path, monkeypatch, value):
+    """Ranks forked from the server that imported fp-dcp once (fp_dcp.testing.processes) are DCP's default storage
+    as their environment says when they start, whatever the server's was when it imported fp-dcp."""
+    monkeypatch.setenv("FP_DCP_DEFAULT_STORAGE", value)
+    root = str(tmp_path / "ckpt")
+    expected = (True, "FastPersistWriter") if value else (False, "FileSystemWriter")
+    assert run_ranks(2, _save_path_only, root) == [expected] * 2

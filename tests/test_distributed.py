@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import load, save
-from dist_util import RankError, run_ranks, run_ranks_outcomes
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, compat
+from fp_dcp.testing.ranks import RankError, run_ranks, run_ranks_outcomes
 
 SHAPES = {"emb": (37, 24), "proj": (24, 19), "bias": (19,)}
 

@@ -75,7 +75,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_util import run_ranks
 from test_bad_input import rewrite_footer
 from tiers_util import seaweedfs
 
@@ -83,6 +82,7 @@ from fp_dcp import FastPersistSavePlanner, FastPersistWriter, compat
 from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.errors import CheckpointError
+from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]

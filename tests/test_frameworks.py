@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from dist_util import run_ranks
 
 from fp_dcp.checkpoint import open_checkpoint
+from fp_dcp.testing.ranks import run_ranks
 
 WORLD = 2
 
@@ -82,7 +82,7 @@ def rank_batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def distributed_env(rank: int, world: int) -> None:
-    """What a launcher (torchrun) would have set; the process group itself is already up (dist_util)."""
+    """What a launcher (torchrun) would have set; the process group itself is already up (fp_dcp.testing.ranks)."""
     os.environ.update(
         LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
     )

@@ -15,7 +15,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, failure, flip_byte, same_bytes, save
 from cuda_double import CpuTargetsAsDevice, CudaRuntimeDouble, HostCrc, ModelCrc
-from dist_util import run_ranks
 
 import fp_dcp.io.buffers
 import fp_dcp.load.resources
@@ -26,6 +25,7 @@ from fp_dcp.gpu import cudart
 from fp_dcp.gpu.crc import DeviceCrc
 from fp_dcp.gpu.loading import DeviceLoads
 from fp_dcp.io.host_threads import MIN_SLICE, HostThreads
+from fp_dcp.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
 

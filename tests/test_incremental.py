@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, empty_like, failure, load, needs_xxhash, same_bytes
-from dist_util import run_ranks
 
 import fp_dcp.save.incremental
 from fp_dcp import FastPersistWriter, IOConfig, verify_checkpoint
 from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.errors import CorruptCheckpointError
+from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.tools.convert import convert
 from fp_dcp.tools.inspect import inspect_checkpoint
 

@@ -38,3 +38,18 @@ def test_design_module_map_names_every_module():
     assert covered == modules, sorted(modules - covered)
     listed = {r for r in rows if r.endswith(".py") and "*" not in r}
     assert all((PACKAGE / r).exists() for r in listed), sorted(r for r in listed if not (PACKAGE / r).exists())
+
+
+def test_benchmarks_readme_has_a_row_for_every_script():
+    """benchmarks/README.md: one table row per script (Python or shell) in benchmarks/, and none for a script that
+    is not there."""
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "benchmarks"]  # new ones too
+    names = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    scripts = {n.removeprefix("benchmarks/") for n in names if n.endswith((".py", ".sh"))}
+    scripts = {s for s in scripts if (ROOT / "benchmarks" / s).exists()}  # not deleted in the working tree
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = set(re.findall(r"^\| `([^`]+)` \|", text, flags=re.M))
+    # torch_dcp_suite's shim and site hook are named in its run.py's row
+    named = rows | {s for s in scripts if s.startswith("torch_dcp_suite/") and f"`{s.split('/', 1)[1]}`" in text}
+    assert scripts <= named, sorted(scripts - named)
+    assert rows <= scripts, sorted(rows - scripts)

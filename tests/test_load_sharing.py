@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import same_bytes, save
-from dist_util import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
@@ -17,6 +16,7 @@ from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.load import reader as reader_module
 from fp_dcp.load.catalog import FastPersistCatalog
 from fp_dcp.load.sharing import plan_exchange
+from fp_dcp.testing.ranks import run_ranks
 
 
 def replicated_state() -> dict[str, torch.Tensor]:

@@ -9,7 +9,6 @@ import os
 import pickle
 import resource
 import subprocess
-import sys
 import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -32,12 +31,10 @@ from fp_dcp import (
 )
 from fp_dcp.load import reader as reader_module
 from fp_dcp.save import writer
+from fp_dcp.testing import processes
+from fp_dcp.testing.states import digests, empty_state, make_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import crash_trials  # the harness's versioned state dicts and digests
-
-CTX = crash_trials.context()  # children forked from a server that has imported torch once
+CTX: Any = processes.context()  # children forked from a server that has imported torch once
 SIZE = 4 << 20
 
 
@@ -62,7 +59,7 @@ def outcome(e: BaseException) -> tuple[str, str]:
 def _save(conn: Connection, path: str, version: int, barrier: Any = None, pause: Any = None) -> None:
     """Save ``version``; wait at ``barrier`` first; with ``pause``, stop inside the save until it is set."""
     warnings.filterwarnings("ignore")
-    state = crash_trials.make_state(SIZE, version)
+    state = make_state(SIZE, version)
     if pause is not None:
         real = writer.write_files
 
@@ -84,7 +81,7 @@ def _save(conn: Connection, path: str, version: int, barrier: Any = None, pause:
 
 def _saves(conn: Connection, path: str, versions: list[int]) -> None:
     warnings.filterwarnings("ignore")
-    states = {v: crash_trials.make_state(SIZE, v) for v in versions}
+    states = {v: make_state(SIZE, v) for v in versions}
     with FastPersistWriter(path) as w:
         for v in versions:
             dcp.save(states[v], storage_writer=w)
@@ -96,23 +93,23 @@ def _loads(conn: Connection, path: str, stop: Any) -> None:
     warnings.filterwarnings("ignore")
     results = []
     while not stop.is_set() or not results:
-        target = crash_trials.empty_state(SIZE)
+        target = empty_state(SIZE)
         try:
             dcp.load(target, storage_reader=FastPersistReader(path))
         except BaseException as e:
             results.append(outcome(e))
             continue
         version = target["meta"]["version"]
-        exact = crash_trials.digests(target) == crash_trials.digests(crash_trials.make_state(SIZE, version))
+        exact = digests(target) == digests(make_state(SIZE, version))
         results.append(("ok" if exact else "wrong", str(version)))
     conn.send(results)
 
 
 def assert_holds(path: Path, version: int) -> None:
     """The directory holds exactly ``version``'s checkpoint, bit-exact, and nothing of any other save."""
-    target = crash_trials.empty_state(SIZE)
+    target = empty_state(SIZE)
     load(target, path)
-    assert crash_trials.digests(target) == crash_trials.digests(crash_trials.make_state(SIZE, version))
+    assert digests(target) == digests(make_state(SIZE, version))
     published = {file for file, *_ in FastPersistReader(path).read_metadata().storage_data.values()}
     assert set(os.listdir(path)) == published | {".metadata", ".lock"}
 
@@ -142,7 +139,7 @@ def test_two_processes_racing_to_save_never_interleave(ckpt):
         for kind, message in answers:
             assert kind == "ok" or (kind == "CheckpointBusyError" and "is in progress" in message), answers
         winners = [v for v, a in zip(versions, answers, strict=True) if a[0] == "ok"]
-        target = crash_trials.empty_state(SIZE)
+        target = empty_state(SIZE)
         load(target, ckpt)
         assert target["meta"]["version"] in winners
         assert_holds(ckpt, target["meta"]["version"])
@@ -150,7 +147,7 @@ def test_two_processes_racing_to_save_never_interleave(ckpt):
 
 def test_saving_while_another_process_loads(ckpt):
     """Loads during overwrites get a checkpoint bit-exact, or a CheckpointError saying what went away."""
-    save(crash_trials.make_state(SIZE, 100), ckpt).close()
+    save(make_state(SIZE, 100), ckpt).close()
     stop = CTX.Event()
     loader, loads = run(_loads, str(ckpt), stop)
     saver, saves = run(_saves, str(ckpt), list(range(101, 109)))
@@ -169,7 +166,7 @@ def test_saving_while_another_process_loads(ckpt):
 
 def test_load_racing_an_overwrite_is_not_called_corrupt(ckpt, monkeypatch):
     """.metadata read, then the checkpoint replaced before its data files are opened: the files it names are gone."""
-    old, new = crash_trials.make_state(SIZE, 1), crash_trials.make_state(SIZE, 2)
+    old, new = make_state(SIZE, 1), make_state(SIZE, 2)
     save(old, ckpt).close()
     real = reader_module.read_items
 
@@ -178,14 +175,14 @@ def test_load_racing_an_overwrite_is_not_called_corrupt(ckpt, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(reader_module, "read_items", overwrite_then_read)
-    target = crash_trials.empty_state(SIZE)
+    target = empty_state(SIZE)
     try:
         load(target, ckpt)
     except CheckpointException as e:
         err = failure(pytest.ExceptionInfo.from_exception(e))
         assert not isinstance(err, CorruptCheckpointError) and "replaced" in str(err), err
     else:  # or readers keep the files they are reading alive
-        assert crash_trials.digests(target) == crash_trials.digests(old)
+        assert digests(target) == digests(old)
 
 
 def rss() -> int:

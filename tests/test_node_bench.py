@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from node_bench import share_of
-
+from fp_dcp.testing.llama import share_of
 from fp_dcp.tools.fio import Jobs
 from fp_dcp.tools.workload import recycle
 from fp_dcp.units import MiB

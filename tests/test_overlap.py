@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import SMALL, empty_like, load, needs_torch
-from dist_util import run_ranks
 from test_staging import slow_writes  # noqa: F401  (fixture)
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, OverlappedCheckpointer, compat
 from fp_dcp.format import METADATA_NAME
+from fp_dcp.testing.ranks import run_ranks
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import needs_torch, needs_xxhash, same_bytes
-from dist_util import rank_results, run_ranks, spawned_ranks
-from tiers_util import drop_node, local_root, set_node
+from tiers_util import drop_node
 
 from fp_dcp import CheckpointManager, compat
+from fp_dcp.testing.ranks import rank_results, run_ranks, spawned_ranks
+from fp_dcp.testing.tiers import local_root, set_node
 from fp_dcp.tiers import PosixStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dist_util import run_ranks
 from test_docs_examples import EXAMPLE, ROOT, reading_example
 from test_format_rules import edit
 from torch.distributed.checkpoint import FileSystemWriter
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, errors, verify_checkpoint
 from fp_dcp._native import _cio
+from fp_dcp.testing.ranks import run_ranks
 
 DTYPES = [
     torch.float32,

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import same_bytes
-from dist_util import run_ranks
 from hf_util import llama_state, load_reference, module_for, safetensors_torch, write_model
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 import fp_dcp
 from fp_dcp import FastPersistReader
 from fp_dcp.safetensors_format import DTYPES
+from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.tools.convert import convert
 
 # torch's own safetensors storage, the reference here, comes with torch 2.8 (fp-dcp's own needs none of it)

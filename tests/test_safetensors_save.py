@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import failure, needs_torch, same_bytes
-from dist_util import run_ranks
 from hf_util import INDEX, llama_state, load_reference, module_for, safetensors_torch
 from test_safetensors import HuggingFaceStorageReader, every_dtype, needs_torch_hf
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import init_device_mesh
 
 from fp_dcp import FastPersistReader, IOConfig, SafetensorsWriter, compat
+from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.units import PAGE
 
 

@@ -7,13 +7,13 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import load
-from dist_util import run_ranks
 
 from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, list_steps, unfinished, verify_checkpoint
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io.files import kernel_copies
 from fp_dcp.save.commit import SaveLock
 from fp_dcp.save.spare import SPARE_NAME
+from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.tools.cli import main
 
 COPIED = IOConfig(direct_io=False)  # the page cache: the kernel copies every byte, as into tmpfs

@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, Gpu, empty_like, failure, load, needs_torch, needs_xxhash, same_bytes
-from dist_util import run_ranks
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -35,6 +34,7 @@ from fp_dcp.gpu.streaming import Staging, StreamingCopier
 from fp_dcp.io.engine import Engine, ThreadEngine, UringEngine
 from fp_dcp.io.extents import Window
 from fp_dcp.save import commit
+from fp_dcp.testing.ranks import run_ranks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,16 +1,11 @@
 """Crash trials of checkpoint tiers, CI-sized: kill -9 a rank during replication and during the drain, then restore.
 
-The harness is benchmarks/tier_crash_trials.py (run it with ``--trials 20`` or more).
+The harness is fp_dcp.testing.tier_crash (benchmarks/tier_crash_trials.py runs it: ``--trials 20`` or more).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import tier_crash_trials  # a script, not a package: found through the path above
+from fp_dcp.testing import tier_crash as tier_crash_trials
 
 
 def test_killing_a_rank_during_replication_or_the_drain_never_restores_a_wrong_or_older_step(tmp_path):

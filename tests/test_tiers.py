@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 from conftest import flip_byte
-from dist_util import run_ranks
 from tiers_util import (
     EnvRank,
     committed,
@@ -17,9 +16,7 @@ from tiers_util import (
     drop_node,
     incremental_restore,
     incremental_run,
-    local_root,
     restore,
-    same_state,
     save_steps,
     seaweedfs,
     slow_drain_run,
@@ -29,6 +26,8 @@ from tiers_util import (
 import fp_dcp.tiers.store
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps, verify_checkpoint
 from fp_dcp.load.stream_check import StreamCheck
+from fp_dcp.testing.ranks import run_ranks
+from fp_dcp.testing.tiers import local_root, same_state
 from fp_dcp.tiers import FsspecStore, PosixStore, Retry, parse_step_name
 
 WORLD = 4

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import SMALL, empty_like, failure, load, save
-from dist_util import run_ranks
 from test_bad_input import rewrite_footer
 from test_distributed import SHAPES
 from test_distributed import _save as distributed_save
@@ -33,6 +32,7 @@ from fp_dcp import (
     verify_checkpoint,
 )
 from fp_dcp.format import HASHING
+from fp_dcp.testing.ranks import run_ranks
 
 FLIPS = 60
 

@@ -1,7 +1,7 @@
-"""Helpers for the checkpoint-tier tests: 4 gloo ranks as 2 nodes, and a real S3 server (SeaweedFS).
+"""Helpers for the checkpoint-tier tests: runs of 4 gloo ranks as 2 nodes, and a real S3 server (SeaweedFS).
 
-Ranks 0-1 are node "a", ranks 2-3 node "b" (``FP_DCP_NODE``); each node's
-fast tier is ``<tmp>/local-{node}``.
+The ranks, nodes, states and managers are ``fp_dcp.testing.tiers``'s (the
+tier crash trials and benchmarks/tiers_bench.py use them too).
 """
 
 from __future__ import annotations
@@ -23,36 +23,8 @@ from typing import Any
 
 import torch
 
-from fp_dcp import CheckpointManager
+from fp_dcp.testing.tiers import SlowStore, empty_state, local_root, manager, state_of
 from fp_dcp.tiers import PosixStore
-
-NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
-
-
-def set_node(rank: int) -> None:
-    os.environ["FP_DCP_NODE"] = NODES[rank]
-
-
-def local_root(tmp: str, node: str | None = None) -> str:
-    return os.path.join(tmp, f"local-{node or '{node}'}")
-
-
-def state_of(step: int, rank: int, world: int = 4) -> dict[str, Any]:
-    """What rank ``rank`` saves at ``step``: a tensor of its own (a file per rank), and one all share."""
-    g = torch.Generator().manual_seed(step)
-    shared = torch.randn(64, 128, generator=g)
-    own = torch.randn(200_000 + 1000 * rank, generator=torch.Generator().manual_seed(1000 * step + rank))
-    return {f"own{rank}": own, "shared": shared, "frozen": torch.arange(50_000, dtype=torch.float32)}
-
-
-def empty_state(rank: int) -> dict[str, Any]:
-    return {k: torch.zeros_like(v) for k, v in state_of(0, rank).items()}
-
-
-def manager(tmp: str, rank: int, **options: Any) -> CheckpointManager:
-    set_node(rank)
-    options.setdefault("asynchronous", False)
-    return CheckpointManager(local_root(tmp), **options)
 
 
 def save_steps(rank: int, world: int, tmp: str, steps: list[int], options: dict[str, Any]) -> dict[str, Any]:
@@ -76,11 +48,6 @@ def restore(rank: int, world: int, tmp: str, options: dict[str, Any]) -> tuple[i
     with manager(tmp, rank, **options) as mgr:
         step = mgr.restore(state)
     return step, state
-
-
-def same_state(got: dict[str, Any], step: int, rank: int) -> bool:
-    want = state_of(step, rank)
-    return all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
 
 
 def data_files(directory: str, ranks: tuple[int, ...]) -> list[str]:
@@ -199,18 +166,6 @@ class EnvRank:
     def __call__(self, rank: int, world: int, *args: Any) -> Any:
         os.environ.update(self.env)
         return self.fn(rank, world, *args)
-
-
-class SlowStore(PosixStore):
-    """A durable directory that takes ``delay`` seconds more for every file: a drain slower than the saves."""
-
-    def __init__(self, root: str, delay: float) -> None:
-        super().__init__(root)
-        self.delay = delay
-
-    def put_file(self, key: str, source: str, size: int, check: Any) -> list[str]:
-        time.sleep(self.delay)
-        return super().put_file(key, source, size, check)
 
 
 class UnprunableStore(PosixStore):

@@ -36,6 +36,7 @@ __all__ = [
     "fresh_allocations",
     "PeakRSS",
     "cpu_seconds",
+    "drop_caches",
     "evict",
     "recycle",
     "copy_peaks",
@@ -162,6 +163,19 @@ def recycle(directory: str, nbytes: int, name: str = "recycled") -> None:
     os.unlink(path)
 
 
+def drop_caches(what: int = 1) -> bool:
+    """As root, drop the kernel's clean caches (``/proc/sys/vm/drop_caches``): 1 the page cache, 2 dentries and
+    inodes, 3 both; False where that is not allowed. Dirty pages stay: ``os.sync()`` first writes them back."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write(f"{what}\n")
+    except OSError:
+        return False
+    return True
+
+
 def evict(path: str) -> None:
     """Drop ``path``'s pages (a file or every file under a directory) from the page cache."""
     files = [path] if os.path.isfile(path) else [os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns]
@@ -171,9 +185,7 @@ def evict(path: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    if os.geteuid() == 0:
-        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
+    drop_caches(1)
 
 
 def copy_peaks(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""Llama-shaped models for the benchmarks beside this one and the tests: names, shapes, FSDP2-sharded modules."""
+"""Llama-shaped models for tests and benchmarks: Hugging Face's tensor names and shapes, modules with those
+parameters, FSDP2-sharded models built on the meta device."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["GiB", "llama_shapes", "layers_for", "share_of", "module_with", "sharded_model"]
 
 GiB = 1 << 30
 
@@ -21,6 +24,11 @@ def layers_for(gb: float, hidden: int, inter: int, vocab: int) -> int:
     """How many layers make about ``gb`` GiB of bf16."""
     per_layer = 2 * sum(torch.Size(s).numel() for s in _layer(hidden, inter).values())
     return max(1, round((gb * GiB - 2 * (2 * vocab * hidden + hidden)) / per_layer))
+
+
+def share_of(shapes: dict[str, tuple[int, ...]], ranks: int) -> dict[str, tuple[int, ...]]:
+    """Rank 0's share of each tensor under FSDP2 (dim 0 cut in ``ranks`` chunks, the first the largest)."""
+    return {name: (-(-shape[0] // ranks), *shape[1:]) for name, shape in shapes.items()}
 
 
 def _layer(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
