@@ -11,7 +11,7 @@ Use it as DCP's storage layer::
 The package is layered (docs/design.md has the map): ``io`` moves bytes and
 knows nothing of torch; ``format`` turns bytes into objects; ``checkpoint``
 opens a checkpoint; ``save`` and ``load`` are the two DCP sides; ``gpu`` stages
-device memory; ``training`` runs checkpoints in a loop; ``tools`` are the CLI.
+device memory; ``runs`` checkpoint a training run step after step; ``tools`` are the CLI.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from .io.info import engine_info
 from .load.reader import FastPersistReader, LoadSummary
 from .load.safetensors_verify import SafetensorsVerifyReport
 from .load.verify import VerifyReport, verify_checkpoint
+from .runs.manager import CheckpointManager, StepInfo, list_steps
+from .runs.overlap import OverlappedCheckpointer
+from .runs.retention import clean_unfinished, unfinished
+from .runs.steps import remove_leftovers
 from .save.planner import FastPersistSavePlanner
 from .save.safetensors import SafetensorsWriter
 from .save.summary import SaveSummary
 from .save.writer import FastPersistWriter
-from .training.manager import CheckpointManager, StepInfo, list_steps
-from .training.overlap import OverlappedCheckpointer
-from .training.retention import clean_unfinished, unfinished
-from .training.steps import remove_leftovers
 
 __version__ = "0.1.0"
 

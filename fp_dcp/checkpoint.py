@@ -62,8 +62,6 @@ from .errors import (
     NotACheckpointError,
 )
 from .format import (
-    METADATA_NAME,
-    NODE_MARKER,
     TRAILER_SIZE,
     ItemLocation,
     decode_footer,
@@ -74,6 +72,7 @@ from .format import (
     unpickle_metadata,
 )
 from .io.files import NotRegularFileError, open_regular
+from .names import METADATA_NAME, NODE_MARKER
 from .safetensors_format import INDEX_NAME, SUFFIX
 from .structure import check_structure
 

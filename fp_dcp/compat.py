@@ -57,7 +57,7 @@ Private names (torch offers no public equivalent):
 - ``process_group_store`` (``distributed_c10d._get_process_group_store``):
   the key-value store a process group was made with (the rendezvous store,
   under the group's prefix), where ranks agree on a preemption step without
-  a collective (``fp_dcp.training.preemption``).
+  a collective (``fp_dcp.runs.preemption``).
 
 Protocol details (public API, but behaviour fp-dcp depends on):
 

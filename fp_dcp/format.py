@@ -44,7 +44,6 @@ from .units import PAGE, align_up
 
 __all__ = [
     "FORMAT_VERSION",
-    "METADATA_NAME",
     "ItemLocation",
     "data_file_name",
     "parse_data_file_name",
@@ -57,9 +56,6 @@ __all__ = [
 FORMAT_NAME = "fp-dcp"
 FORMAT_VERSION = 3
 REFERENCES_VERSION = 3  # the first version with file entries owned by another checkpoint
-METADATA_NAME = ".metadata"
-RETIRED_NAME = ".retired"  # in a step directory: not a checkpoint (any more), kept for files newer steps use
-NODE_MARKER = ".node"  # in a node's copy of a step: the node's name (that copy may hold only its files)
 TRAILER_MAGIC = b"FPDCP\x00\r\n"
 _TRAILER = struct.Struct("<II8s")  # footer length, crc32c of footer, magic
 TRAILER_SIZE = _TRAILER.size

@@ -29,9 +29,9 @@ from tiers_util import drop_node, restore, save_steps
 
 from fp_dcp import CheckpointManager, FastPersistReader, FastPersistWriter, list_steps
 from fp_dcp.net.group import SHARED_DEFAULT_GROUP
+from fp_dcp.runs.steps import step_directory
 from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.testing.tiers import same_state
-from fp_dcp.training.steps import step_directory
 
 pytestmark = needs_xxhash  # the loops include incremental runs
 

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, compat
 from fp_dcp.checkpoint import published_files
-from fp_dcp.format import METADATA_NAME, parse_data_file_name
+from fp_dcp.format import parse_data_file_name
+from fp_dcp.names import METADATA_NAME
 from fp_dcp.testing.ranks import run_ranks, run_ranks_outcomes
 
 

@@ -17,9 +17,9 @@ from conftest import needs_xxhash
 
 from fp_dcp import CheckpointManager, FastPersistReader, list_steps
 from fp_dcp.checkpoint import open_checkpoint
-from fp_dcp.format import METADATA_NAME
+from fp_dcp.names import METADATA_NAME
+from fp_dcp.runs import resume, steps
 from fp_dcp.testing.ranks import run_ranks
-from fp_dcp.training import resume, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

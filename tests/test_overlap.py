@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, OverlappedCheckpointer, compat
-from fp_dcp.format import METADATA_NAME
+from fp_dcp.names import METADATA_NAME
 from fp_dcp.testing.ranks import run_ranks
 
 

@@ -11,8 +11,8 @@ from conftest import load
 from fp_dcp import CheckpointManager, FastPersistWriter, IOConfig, list_steps, unfinished, verify_checkpoint
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.io.files import kernel_copies
+from fp_dcp.names import SPARE_NAME
 from fp_dcp.save.commit import SaveLock
-from fp_dcp.save.spare import SPARE_NAME
 from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.tools.cli import main
 

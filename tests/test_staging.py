@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from fp_dcp import FastPersistSavePlanner, FastPersistWriter, IOConfig, SaveCancelledError, compat
 from fp_dcp.checkpoint import open_checkpoint
-from fp_dcp.format import METADATA_NAME
 from fp_dcp.gpu.streaming import Staging, StreamingCopier
 from fp_dcp.io.engine import Engine, ThreadEngine, UringEngine
 from fp_dcp.io.extents import Window
+from fp_dcp.names import METADATA_NAME
 from fp_dcp.save import commit
 from fp_dcp.testing.ranks import run_ranks
 

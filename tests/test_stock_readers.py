@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fp_dcp._native import _cio
 from fp_dcp.compat import item_fields
-from fp_dcp.format import METADATA_NAME
+from fp_dcp.names import METADATA_NAME
 
 
 def test_stock_filesystem_reader_names_fp_dcp_and_the_fix(ckpt):

@@ -26,9 +26,10 @@ from tiers_util import (
 import fp_dcp.tiers.store
 from fp_dcp import CheckpointManager, DurableStorageError, list_steps, verify_checkpoint
 from fp_dcp.load.stream_check import StreamCheck
+from fp_dcp.names import parse_step_name
 from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.testing.tiers import local_root, same_state
-from fp_dcp.tiers import FsspecStore, PosixStore, Retry, parse_step_name
+from fp_dcp.tiers import FsspecStore, PosixStore, Retry
 
 WORLD = 4
 

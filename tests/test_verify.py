@@ -252,7 +252,7 @@ def test_a_nodes_copy_lacking_other_nodes_files_is_partial_and_what_it_holds_is_
 
 def test_a_node_marker_that_is_a_fifo_marks_no_copy_and_is_not_waited_on(three_files):
     """Only a regular file named .node marks a node's copy (runs.md): a FIFO there does not, and is not read."""
-    from fp_dcp.training.steps import inspect_step
+    from fp_dcp.runs.steps import inspect_step
 
     missing = data_files(three_files)[0]
     missing.unlink()

@@ -21,8 +21,9 @@ from ..checkpoint import is_safetensors_directory, open_checkpoint, read_metadat
 from ..compat import DCP_HIDES_METADATA_ERRORS
 from ..config import IOConfig
 from ..errors import CheckpointReplacedError, CorruptCheckpointError, NotACheckpointError
-from ..format import METADATA_NAME, chunk_nbytes
+from ..format import chunk_nbytes
 from ..log import log
+from ..names import METADATA_NAME
 from ..net.group import Group, node_name
 from ..net.transport import Transport
 from .catalog import Catalog, FastPersistCatalog

@@ -19,11 +19,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from .._native import _cio
 from ..checkpoint import Checkpoint
 from ..config import IOConfig
-from ..format import METADATA_NAME, ItemLocation, checksum_mismatch, describe_item
+from ..format import ItemLocation, checksum_mismatch, describe_item
 from ..io.context import IOContext, IOResources
 from ..io.extents import Extent, Piece, Window, plan_extents
 from ..io.files import DataFile
 from ..io.progress import Progress
+from ..names import METADATA_NAME
 from ..units import PAGE, MiB, align_up
 from .hashes import ItemHashes
 

@@ -49,10 +49,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_checkpoint
 from ..errors import CorruptCheckpointError
-from ..format import METADATA_NAME, describe_item
+from ..format import describe_item
 from ..io.context import IOContext
 from ..io.files import open_file
 from ..io.progress import Progress, ProgressCallback
+from ..names import METADATA_NAME
 from ..structure import nesting_fault
 from ..units import PAGE, align_up
 from .catalog import FastPersistCatalog

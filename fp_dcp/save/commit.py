@@ -26,14 +26,11 @@ import threading
 import weakref
 
 from ..errors import CheckpointBusyError
-from ..format import METADATA_NAME, parse_data_file_name
+from ..format import parse_data_file_name
 from ..io import files
+from ..names import LOCK_NAME, METADATA_NAME, is_metadata_tmp, metadata_tmp_name
 
-__all__ = ["LOCK_NAME", "SaveLock", "publish", "remove_leftovers", "Cleanup"]
-
-LOCK_NAME = ".lock"
-_TMP_PREFIX = METADATA_NAME + "."
-_TMP_SUFFIX = ".tmp"
+__all__ = ["SaveLock", "publish", "remove_leftovers", "Cleanup"]
 
 
 class SaveLock:
@@ -67,7 +64,7 @@ def publish(directory: str, metadata_bytes: bytes, token: str) -> None:
     ``.metadata`` is then in place.
     """
 
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{token}{_TMP_SUFFIX}")
+    tmp = os.path.join(directory, metadata_tmp_name(token))
     files.write_durably(os.path.join(directory, METADATA_NAME), metadata_bytes, tmp)
 
 
@@ -80,7 +77,7 @@ def remove_leftovers(directory: str, keep: set[str], spare: set[str]) -> list[st
     for name in os.listdir(directory):
         if name in keep or name in spare:
             continue
-        if parse_data_file_name(name) is not None or (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX)):
+        if parse_data_file_name(name) is not None or is_metadata_tmp(name):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
                 removed.append(name)

@@ -32,9 +32,7 @@ from ..errors import CheckpointError
 from ..format import parse_data_file_name
 from ..io.files import kernel_copies
 
-__all__ = ["SPARE_NAME", "take_spares", "worth_reusing"]
-
-SPARE_NAME = ".spare"  # in a manager's root: the step retired last, whose files the next save may take
+__all__ = ["take_spares", "worth_reusing"]
 
 
 def worth_reusing(directories: Sequence[str], config: IOConfig) -> bool:

@@ -29,10 +29,11 @@ from ..compat import (
 )
 from ..config import IOConfig
 from ..errors import CheckpointError, CheckpointExistsError
-from ..format import METADATA_NAME, ItemLocation, data_file_name, encode_metadata, file_index
+from ..format import ItemLocation, data_file_name, encode_metadata, file_index
 from ..gpu.stager import AsyncSaves, Mode, StagedSave
 from ..io import files
 from ..io.engine import engine_stores
+from ..names import LOCK_NAME, METADATA_NAME
 from ..net.group import check_save_group
 from ..units import PAGE, align_up
 from . import commit
@@ -350,7 +351,7 @@ class FastPersistWriter(StorageWriter):
             except files.ReplaceFailedError:
                 self.placement.remove(entries)  # unpublished: they would only hold the space a retry needs
                 raise
-            keep = set(entries) | {METADATA_NAME, commit.LOCK_NAME}  # incl. files of its base it took over
+            keep = set(entries) | {METADATA_NAME, LOCK_NAME}  # incl. files of its base it took over
             directories = list(dict.fromkeys([self.path, *self.placement.directories]))
             for directory in directories:
                 commit.remove_leftovers(directory, keep, spare=self._replaced)

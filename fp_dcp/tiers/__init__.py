@@ -9,9 +9,6 @@ the fastest intact copy).
 
 from __future__ import annotations
 
-from .drain import DURABLE_NAME
-from .layout import NODE_MARKER, parse_step_name, step_name
-from .replication import REPLICATED_NAME
 from .store import DurableStore, FsspecStore, PosixStore, Retry
 from .tiers import Tiers
 
@@ -21,9 +18,4 @@ __all__ = [
     "PosixStore",
     "FsspecStore",
     "Retry",
-    "REPLICATED_NAME",
-    "DURABLE_NAME",
-    "NODE_MARKER",
-    "step_name",
-    "parse_step_name",
 ]

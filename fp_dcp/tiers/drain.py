@@ -26,17 +26,15 @@ import functools
 import os
 
 from ..errors import CheckpointError
-from ..format import METADATA_NAME
 from ..io.files import open_regular, write_durably
 from ..log import log
+from ..names import DURABLE_NAME, METADATA_NAME, parse_step_name, step_name
 from ..net.group import Group
-from .layout import StepLayout, files_in_metadata, parse_step_name, step_name
+from .layout import StepLayout, files_in_metadata
 from .nodes import Nodes
 from .store import DurableStore, retrying
 
-__all__ = ["DURABLE_NAME", "Drained", "drain", "prune_durable"]
-
-DURABLE_NAME = ".durable"  # in a local step directory: the step's drain committed (for `fp-dcp ls`)
+__all__ = ["Drained", "drain", "prune_durable"]
 
 
 @dataclasses.dataclass(frozen=True)

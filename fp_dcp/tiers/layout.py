@@ -14,47 +14,26 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import secrets
 from typing import Any
 
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import CorruptCheckpointError
-from ..format import METADATA_NAME, NODE_MARKER, RETIRED_NAME, decode_footer, parse_data_file_name
+from ..format import decode_footer, parse_data_file_name
 from ..io.files import NotRegularFileError, open_regular, write_durably
 from ..load.stream_check import StreamCheck, items_by_file
+from ..names import METADATA_NAME, NODE_MARKER, RETIRED_NAME, parse_step_name
 from ..save import commit
 
 __all__ = [
     "StepLayout",
-    "step_name",
-    "parse_step_name",
     "publish_metadata",
     "files_in_metadata",
     "owner_step",
     "mark_referenced",
     "mark_node",
-    "NODE_MARKER",
     "list_tier",
 ]
-
-
-# as step_name writes N: [0-9], since \d and str.isdigit() take other scripts' digits too, and no leading zero
-_STEP = re.compile(r"step-(0|[1-9][0-9]*)")
-
-
-def step_name(step: int) -> str:
-    return f"step-{step}"
-
-
-def parse_step_name(name: str) -> int | None:
-    """N of a name ``step_name`` gives (``step-`` and N's ASCII digits, without a leading zero), else None.
-
-    ``step-007`` is no step: were it step 7, a root could hold two directories of one step (``step-7`` too),
-    and the tiers' keys name step 7's files ``step-7/...`` in every root.
-    """
-    match = _STEP.fullmatch(name)
-    return int(match.group(1)) if match else None
 
 
 def list_tier(root: str) -> dict[str, dict[str, int]]:

@@ -18,14 +18,13 @@ import os
 from ..errors import CheckpointError
 from ..io.files import write_durably
 from ..log import log
+from ..names import REPLICATED_NAME
 from ..net.group import Group
 from ..net.transport import FileSink, Transfer, Transport
 from .layout import StepLayout
 from .nodes import Nodes
 
-__all__ = ["REPLICATED_NAME", "Replicated", "plan", "replicate"]
-
-REPLICATED_NAME = ".replicated"
+__all__ = ["Replicated", "plan", "replicate"]
 
 
 @dataclasses.dataclass(frozen=True)

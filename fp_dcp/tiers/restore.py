@@ -31,22 +31,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..checkpoint import decode_checked
 from ..errors import CheckpointError
-from ..format import METADATA_NAME
 from ..io.files import NotRegularFileError, open_regular
 from ..load.stream_check import StreamCheck
 from ..log import log
+from ..names import METADATA_NAME, parse_step_name, step_name
 from ..net.group import Group
 from ..net.transport import DEFAULT_CHUNK, FileSink, Transfer, Transport
-from .layout import (
-    StepLayout,
-    files_in_metadata,
-    list_tier,
-    mark_node,
-    mark_referenced,
-    parse_step_name,
-    publish_metadata,
-    step_name,
-)
+from .layout import StepLayout, files_in_metadata, list_tier, mark_node, mark_referenced, publish_metadata
 from .nodes import Nodes
 from .store import DurableStore
 

@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._native import _cio
-from ..format import METADATA_NAME
 from ..io.files import fsync_directory, open_regular, write_durably
 from ..load.stream_check import StreamCheck
+from ..names import METADATA_NAME, parse_step_name
 from ..units import MiB
-from .layout import list_tier, parse_step_name
+from .layout import list_tier
 
 __all__ = ["DurableStore", "PosixStore", "FsspecStore", "Retry", "open_store", "retrying"]
 

@@ -23,15 +23,15 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DurableStorageError
-from ..format import METADATA_NAME
 from ..io.files import open_regular
 from ..log import log
+from ..names import METADATA_NAME, REPLICATED_NAME, parse_step_name, step_name
 from ..net.group import Group
 from ..net.transport import Transport, remove_partials
 from .drain import Drained, drain, prune_durable
-from .layout import mark_node, parse_step_name, publish_metadata, step_name
+from .layout import mark_node, publish_metadata
 from .nodes import Nodes, expand_root, node_name
-from .replication import REPLICATED_NAME, Replicated, replicate
+from .replication import Replicated, replicate
 from .restore import Fetched, fetch_step
 from .store import DurableStore, open_store
 from .worker import Worker

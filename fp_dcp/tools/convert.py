@@ -84,9 +84,9 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from .. import FastPersistReader, FastPersistWriter, SafetensorsWriter, compat
 from ..checkpoint import is_safetensors_directory, open_checkpoint, published_files
 from ..errors import CheckpointExistsError, CorruptCheckpointError, NotACheckpointError
-from ..format import METADATA_NAME
 from ..io.files import fsync_directory, replace_durably
 from ..io.progress import Progress, ProgressCallback
+from ..names import METADATA_NAME
 from ..safetensors_format import INDEX_NAME, SUFFIX, parse_index
 from ..structure import nesting_fault
 

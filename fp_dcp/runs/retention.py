@@ -30,16 +30,13 @@ from collections.abc import Callable, Iterable
 
 from ..checkpoint import open_checkpoint, referenced_files
 from ..errors import CheckpointError
-from ..format import METADATA_NAME, RETIRED_NAME
 from ..io.files import fsync_directory, write_durably
 from ..log import log
+from ..names import DELETING_PREFIX, METADATA_NAME, RETIRED_NAME, SPARE_NAME
 from ..save.commit import SaveLock
-from ..save.spare import SPARE_NAME
 from .steps import own_files, step_directories, step_directory, step_state
 
 __all__ = ["Retention", "clean_unfinished", "finish_deletions", "remove_spare", "unfinished", "user_of"]
-
-_DELETING = ".deleting-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +152,7 @@ def _retire(root: str, path: str, used: set[str]) -> None:
 def _delete(root: str, path: str, spare: bool = False) -> None:
     """Rename, make the rename durable, then remove: a step is gone at once, its bytes after (a ``spare``'s
     at the next pruning)."""
-    trash = os.path.join(root, SPARE_NAME if spare else _DELETING + os.path.basename(path))
+    trash = os.path.join(root, SPARE_NAME if spare else DELETING_PREFIX + os.path.basename(path))
     os.replace(path, trash)
     fsync_directory(root)
     if not spare:
@@ -183,7 +180,7 @@ def finish_deletions(root: str) -> None:
 def unfinished(root: str | os.PathLike[str]) -> list[str]:
     """The entries of a run's root that a pruning left: ``.spare`` (for the next save) and ``.deleting-*`` (a
     removal cut short). Neither is a checkpoint; the manager removes both when it opens the root."""
-    return sorted(n for n in os.listdir(root) if n == SPARE_NAME or n.startswith(_DELETING))
+    return sorted(n for n in os.listdir(root) if n == SPARE_NAME or n.startswith(DELETING_PREFIX))
 
 
 def clean_unfinished(root: str | os.PathLike[str]) -> list[str]:

@@ -20,11 +20,11 @@ from typing import Literal
 
 from ..checkpoint import node_of, open_checkpoint
 from ..errors import CheckpointError, DataDirectoryNotFoundError
-from ..format import METADATA_NAME, RETIRED_NAME, parse_data_file_name
+from ..format import parse_data_file_name
 from ..load.verify import verify_checkpoint
+from ..names import DURABLE_NAME, METADATA_NAME, REPLICATED_NAME, RETIRED_NAME, parse_step_name, step_name
 from ..save import commit
 from ..save.commit import SaveLock
-from ..tiers import DURABLE_NAME, REPLICATED_NAME, parse_step_name, step_name
 
 __all__ = [
     "StepInfo",

@@ -45,10 +45,11 @@ import torch.distributed.checkpoint as dcp
 from ..config import IOConfig
 from ..errors import CheckpointBusyError, DurableStorageError
 from ..gpu.stager import Mode
+from ..names import SPARE_NAME
 from ..net.group import Group, background_group
 from ..save.commit import SaveLock
 from ..save.placement import data_directories
-from ..save.spare import SPARE_NAME, worth_reusing
+from ..save.spare import worth_reusing
 from ..save.writer import FastPersistWriter
 from ..tiers import DurableStore, Tiers
 from .overlap import OverlappedCheckpointer
