@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import subprocess
 from collections.abc import Iterator
@@ -29,6 +30,36 @@ needs_xxhash = pytest.mark.skipif(
     not hasattr(_cio, "Hash128"), reason="fp_dcp._native._cio built without libxxhash (make system-deps installs it)"
 )
 """For tests of incremental saves, which need the content hash (like io_uring, an optional part of the build)."""
+
+STORABLE_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    *(getattr(torch, name) for name in dir(torch) if name.startswith(("float8_", "float4_"))),
+]
+"""Every dtype a checkpoint holds, the float8 and float4 ones of the torch at hand included."""
+
+
+def random_of(dtype: torch.dtype, *shape: int, seed: int | None = None) -> torch.Tensor:
+    """Random bit patterns of any dtype (NaNs, and bools other than 0 and 1): equal only if read bit-exact.
+    ``seed``: the same bits for the same seed (None: torch's global generator, other bits each call)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
 
 SMALL = IOConfig(buffer_size=64 * 1024, num_buffers=3, block_size=16 * 1024, queue_depth=4, direct_min=8192)
 """Tiny buffers and requests, so small tensors exercise splitting, direct runs and buffer reuse."""

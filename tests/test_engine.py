@@ -63,12 +63,17 @@ def record_writes(monkeypatch, kind: str, writes: bool = True) -> list[Request]:
     return requests
 
 
-@pytest.mark.parametrize("kind", ["io_uring", "threads"])
+@pytest.fixture(params=["io_uring", "threads"])
+def kind(request) -> str:
+    """Each engine by name; io_uring only where the build has liburing."""
+    if request.param == "io_uring" and not _cio.HAVE_IO_URING:
+        pytest.skip("built without liburing")
+    return str(request.param)
+
+
 def test_direct_writes_keep_to_the_filesystem_block(tmp_path, monkeypatch, kind):
     """ext4 and XFS run a direct write that is not aligned to their block one at a time, under the
     inode lock: every request of a save, offset, length and memory, must keep to the block."""
-    if kind == "io_uring" and not _cio.HAVE_IO_URING:
-        pytest.skip("built without liburing")
     block = min(os.stat(tmp_path).st_blksize, os.sysconf("SC_PAGE_SIZE"))
     requests = record_writes(monkeypatch, kind)
     # views into one buffer, so the tensors start at many offsets within a page
@@ -226,11 +231,8 @@ def test_staging_buffers_are_populated_without_madv_populate_write(monkeypatch):
     pool.close()
 
 
-@pytest.mark.parametrize("kind", ["io_uring", "threads"])
 @pytest.mark.parametrize("direct", [True, False])
 def test_engine_transfers_and_errors(tmp_path, kind, direct):
-    if kind == "io_uring" and not _cio.HAVE_IO_URING:
-        pytest.skip("built without liburing")
     config = IOConfig(engine=kind, block_size=8192, queue_depth=2)
     eng = engine.create_engine(config)
     pool = BufferPool(1 << 16, 2)
@@ -255,12 +257,9 @@ def test_engine_transfers_and_errors(tmp_path, kind, direct):
     pool.close()
 
 
-@pytest.mark.parametrize("kind", ["io_uring", "threads"])
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_read_may_stop_where_the_caller_says_the_file_ends(tmp_path, kind, direct):
     """Whole blocks are read (O_DIRECT): a file ending inside its last block ends the read there, if allowed."""
-    if kind == "io_uring" and not _cio.HAVE_IO_URING:
-        pytest.skip("built without liburing")
     size = 3 * 4096 + 1000
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
@@ -303,10 +302,7 @@ def test_a_file_all_in_the_page_cache_is_read_through_it(disk_with_page_cache, m
     assert direct(create=False, direct=None)
 
 
-@pytest.mark.parametrize("kind", ["io_uring", "threads"])
 def test_fault_injection_fails_the_kth_request(tmp_path, kind, monkeypatch):
-    if kind == "io_uring" and not _cio.HAVE_IO_URING:
-        pytest.skip("built without liburing")
     monkeypatch.setenv(engine.FAULT_ENV, "3")
     eng = engine.create_engine(IOConfig(engine=kind, block_size=4096))
     pool = BufferPool(1 << 14, 2)

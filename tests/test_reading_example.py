@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import STORABLE_DTYPES, random_of
 from test_docs_examples import EXAMPLE, ROOT, reading_example
 from test_format_rules import edit
 from torch.distributed.checkpoint import FileSystemWriter
@@ -43,36 +44,10 @@ from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter,
 from fp_dcp._native import _cio
 from fp_dcp.testing.ranks import run_ranks
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex32,
-    torch.complex64,
-    torch.complex128,
-    torch.bool,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    *(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)),
-    *(getattr(torch, name) for name in dir(torch) if name.startswith("float8_") or name.startswith("float4_")),
-]
-
-
-def random_of(dtype: torch.dtype, *shape: int) -> torch.Tensor:
-    """A tensor of ``shape`` whose bytes are random (NaNs and all): equal only if read bit-exact."""
-    if dtype is torch.bool:
-        return torch.randint(0, 2, shape, dtype=torch.uint8).bool()
-    raw = torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8)
-    return raw.view(dtype).squeeze(-1)
-
 
 def one_rank_state() -> dict[str, Any]:
     return {
-        "dtypes": {str(dtype).removeprefix("torch."): random_of(dtype, 3, 5) for dtype in DTYPES},
+        "dtypes": {str(dtype).removeprefix("torch."): random_of(dtype, 3, 5) for dtype in STORABLE_DTYPES},
         "scalar": torch.tensor(2.5, dtype=torch.float64),  # 0-d
         "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
         "model": {"norm.weight": random_of(torch.float32, 8), "layers": [random_of(torch.float16, 4, 4)] * 2},

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SMALL, empty_like, load, same_bytes, save
+from conftest import SMALL, STORABLE_DTYPES, empty_like, load, random_of, same_bytes, save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fp_dcp import FastPersistReader, FastPersistWriter, IOConfig
@@ -20,42 +20,6 @@ ENGINES = {
     "threads-buffered": IOConfig(engine="threads", direct_io=False),
     "io_uring-buffered": IOConfig(engine="io_uring", direct_io=False),
 }
-
-
-def random_of(dtype: torch.dtype, *shape: int, seed: int = 0) -> torch.Tensor:
-    """Random bit patterns of any dtype (NaNs and all)."""
-    g = torch.Generator().manual_seed(seed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = 1
-    for s in shape:
-        n *= s
-    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
-
-
-CPU_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e4m3fnuz,
-    torch.float8_e5m2fnuz,
-    torch.float8_e8m0fnu,
-    torch.complex64,
-    torch.complex128,
-    torch.complex32,
-    torch.bool,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-]
 
 
 def mixed_state() -> dict:
@@ -105,8 +69,8 @@ def test_mixed_state_every_engine(ckpt, engine):
 
 @pytest.mark.parametrize("config", [IOConfig(), SMALL], ids=["default", "small-buffers"])
 def test_every_dtype(ckpt, config):
-    state = {str(dt): random_of(dt, 33, 17, seed=i) for i, dt in enumerate(CPU_DTYPES)}
-    state.update({f"{dt}-0d": random_of(dt, seed=100 + i).reshape(()) for i, dt in enumerate(CPU_DTYPES)})
+    state = {str(dt): random_of(dt, 33, 17, seed=i) for i, dt in enumerate(STORABLE_DTYPES)}
+    state.update({f"{dt}-0d": random_of(dt, seed=100 + i).reshape(()) for i, dt in enumerate(STORABLE_DTYPES)})
     save(state, ckpt, config=config)
     target = {
         k: torch.zeros_like(v) if v.dtype != torch.bool else torch.zeros(v.shape, dtype=torch.bool)

@@ -29,27 +29,29 @@ def _explain(error: ImportError) -> str:
             "fp-dcp's native module fp_dcp._native._cio is not built. In a source checkout run `make build` "
             f"(or `pip install -e .`); to use fp-dcp, install {WHEEL}. ({said})"
         )
-    found = _UNLOADABLE_FILE.search(said)
-    library = by_file(found.group(1)) if found else None
-    if found and library is not None:
-        return (
-            f"fp-dcp's native module cannot load: {found.group(1)}, the shared library of {library.name} "
-            f"({library.gives}), is missing or unreadable on this machine, and this fp-dcp was built from source "
-            f"against it. Install {library.packages}; or install {WHEEL}; or rebuild with {library.opt_out}=1 "
-            f"(then {library.without}). The loader said: {said}"
+    file = _UNLOADABLE_FILE.search(said)
+    symbol = _UNDEFINED_SYMBOL.search(said)
+    if file and (library := by_file(file.group(1))):
+        problem = (
+            f"{file.group(1)}, the shared library of {library.name} ({library.gives}), is missing or unreadable on "
+            "this machine, and this fp-dcp was built from source against it"
         )
-    found = _UNDEFINED_SYMBOL.search(said)
-    library = by_symbol(found.group(1)) if found else None
-    if found and library is not None:
-        return (
-            f"fp-dcp's native module cannot load: the {library.name} on this machine lacks {found.group(1)}, so it "
-            f"is older than the one this fp-dcp was built against. Install a newer one ({library.packages}) or "
-            f"{WHEEL}. The loader said: {said}"
+        remedy = (
+            f"Install {library.packages}; or install {WHEEL}; or rebuild with {library.opt_out}=1 "
+            f"(then {library.without})"
         )
-    return (
-        f"fp-dcp's native module cannot load: {said}. Rebuild it (`make build`, or `pip install -e .`) or install "
-        f"{WHEEL}."
-    )
+    elif symbol and (library := by_symbol(symbol.group(1))):
+        problem = (
+            f"the {library.name} on this machine lacks {symbol.group(1)}, so it is older than the one this fp-dcp "
+            "was built against"
+        )
+        remedy = f"Install a newer one ({library.packages}) or {WHEEL}"
+    else:
+        problem, remedy = (
+            "the loader refused it",
+            f"Rebuild it (`make build`, or `pip install -e .`) or install {WHEEL}",
+        )
+    return f"fp-dcp's native module cannot load: {problem}. {remedy}. The loader said: {said}"
 
 
 try:

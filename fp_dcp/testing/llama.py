@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..tools.workload import llama_layer
+
 __all__ = ["GiB", "llama_shapes", "layers_for", "share_of", "module_with", "sharded_model"]
 
 GiB = 1 << 30
@@ -16,34 +18,20 @@ def llama_shapes(layers: int, hidden: int, inter: int, vocab: int) -> dict[str, 
     """Hugging Face's Llama tensor names and shapes."""
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in _layer(hidden, inter).items()}
+        # grouped-query attention: a quarter of the heads for keys and values
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in llama_layer(hidden, inter, hidden // 4).items()}
     return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
 
 
 def layers_for(gb: float, hidden: int, inter: int, vocab: int) -> int:
     """How many layers make about ``gb`` GiB of bf16."""
-    per_layer = 2 * sum(torch.Size(s).numel() for s in _layer(hidden, inter).values())
+    per_layer = 2 * sum(torch.Size(s).numel() for s in llama_layer(hidden, inter, hidden // 4).values())
     return max(1, round((gb * GiB - 2 * (2 * vocab * hidden + hidden)) / per_layer))
 
 
 def share_of(shapes: dict[str, tuple[int, ...]], ranks: int) -> dict[str, tuple[int, ...]]:
     """Rank 0's share of each tensor under FSDP2 (dim 0 cut in ``ranks`` chunks, the first the largest)."""
     return {name: (-(-shape[0] // ranks), *shape[1:]) for name, shape in shapes.items()}
-
-
-def _layer(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
-    kv = hidden // 4  # grouped-query attention: a quarter of the heads for keys and values
-    return {
-        "self_attn.q_proj.weight": (hidden, hidden),
-        "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden),
-        "self_attn.o_proj.weight": (hidden, hidden),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-    }
 
 
 def module_with(params: dict[str, torch.Tensor]) -> nn.Module:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "llama_layer",
     "llm_state_dict",
     "tensor_bytes",
     "Targets",
@@ -48,6 +49,22 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter (glibc's malloc.h)
 _FRESH_THRESHOLD = 128 * 1024  # glibc's initial value: a new process's
 
 
+def llama_layer(hidden: int, inter: int, kv: int) -> dict[str, tuple[int, ...]]:
+    """A Llama layer's parameters, Hugging Face's names and shapes: ``kv`` rows of keys and values (``hidden``
+    for multi-head attention, fewer for grouped-query)."""
+    return {
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+
+
 def llm_state_dict(total_bytes: int, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """About ``total_bytes`` of a Llama-shaped model's training state, its tensors made on ``device``."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -64,26 +81,17 @@ def llm_state_dict(total_bytes: int, seed: int = 0, device: str = "cpu") -> dict
         "train_state": {"step": 1000, "lr": 3e-4, "data_position": list(range(64))},
     }
     used = sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor))
+    shapes = llama_layer(h, ffn, kv=h)  # multi-head attention, as Llama 2 7B
     layer = 0
     while used < total_bytes:
         p = f"model.layers.{layer}."
-        shapes = {
-            "self_attn.q_proj": (h, h),
-            "self_attn.k_proj": (h, h),
-            "self_attn.v_proj": (h, h),
-            "self_attn.o_proj": (h, h),
-            "mlp.gate_proj": (ffn, h),
-            "mlp.up_proj": (ffn, h),
-            "mlp.down_proj": (h, ffn),
-        }
         for name, shape in shapes.items():
-            if used >= total_bytes:
-                break
-            sd[p + name + ".weight"] = rand(*shape)
-            used += sd[p + name + ".weight"].nbytes
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            sd[p + name + ".weight"] = rand(h, dtype=torch.float32)
-            used += h * 4
+            if len(shape) == 1:  # the norms, kept in float32, and whole however far the budget is
+                sd[p + name] = rand(*shape, dtype=torch.float32)
+                used += sd[p + name].nbytes
+            elif used < total_bytes:
+                sd[p + name] = rand(*shape)
+                used += sd[p + name].nbytes
         for k in range(24):  # small per-layer state: scales, biases, step counters
             sd[p + f"extra.{k}"] = rand(64, dtype=torch.float32)
         sd[p + "step"] = torch.tensor(float(layer))
