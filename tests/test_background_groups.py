@@ -33,7 +33,7 @@ from fp_dcp.runs.steps import step_directory
 from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.testing.tiers import same_state
 
-pytestmark = needs_xxhash  # the loops include incremental runs
+pytestmark = [needs_xxhash, pytest.mark.slow]  # the loops include incremental runs
 
 WORLD = 4
 STEPS = 200

@@ -80,6 +80,7 @@ def test_every_command_is_documented_with_an_example():
         assert f"$ fp-dcp {command} " in doc, command
 
 
+@pytest.mark.slow
 def test_installed_as_console_script_and_module(tmp_path):
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name="fp-dcp")
     assert entry.value == "fp_dcp.tools.cli:main"
@@ -537,6 +538,7 @@ with fio.huge_pages(8 * 2**20) as (page, why):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", ["fake", "real"])
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
 def test_huge_pages_are_given_back_when_a_signal_ends_the_process(hugepage_knobs, knobs, how):

@@ -8,8 +8,12 @@ from __future__ import annotations
 import collections
 import time
 
+import pytest
+
 from fp_dcp.testing import crash as crash_trials
 from fp_dcp.testing.states import digests, make_state
+
+pytestmark = pytest.mark.slow  # its tests start processes
 
 TRIALS = 20  # 16 kills at the start of each step (8 steps x fresh/overwrite) and 4 at random times
 SIZE = 8 << 20

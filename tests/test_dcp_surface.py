@@ -234,6 +234,7 @@ def _process_saves(rank: int, world: int, root: str) -> list:
     return results
 
 
+@pytest.mark.slow
 def test_process_executor_saves_in_a_row_and_reports_a_failure(tmp_path):
     for ranks in run_ranks(2, _process_saves, str(tmp_path), timeout=300):
         assert ranks[:3] == [True, True, True]
@@ -260,6 +261,7 @@ def _process_with_writer_as_stager(rank: int, world: int, root: str) -> list[str
     return errors
 
 
+@pytest.mark.slow
 @needs_torch(compat.ASYNC_STAGING)
 def test_writer_as_async_stager_with_the_process_executor_fails_clearly_without_hanging(tmp_path):
     for ok, value in run_ranks_outcomes(2, _process_with_writer_as_stager, str(tmp_path), timeout=300):

@@ -17,6 +17,8 @@ from fp_dcp import FastPersistReader, FastPersistWriter
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 
 def kind(path) -> str:
     return open_checkpoint(path).kind

@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from fp_dcp import FastPersistReader, FastPersistSavePlanner, FastPersistWriter, compat
 from fp_dcp.testing.ranks import RankError, run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 SHAPES = {"emb": (37, 24), "proj": (24, 19), "bias": (19,)}
 
 

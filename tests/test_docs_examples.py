@@ -400,6 +400,7 @@ def test_reading_guide_finds_the_data_files_fp_dcp_finds(case, tmp_path, monkeyp
     assert isinstance(by_fp_dcp, str) == (case in refused), by_fp_dcp
 
 
+@pytest.mark.slow
 def test_durable_store_example(tmp_path):
     """examples/durable_s3.py with the endpoint and credentials as FsspecStore options, none in the environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

@@ -35,7 +35,10 @@ from fp_dcp import IOConfig
 from fp_dcp._native import _cio
 from fp_dcp.checkpoint import open_checkpoint
 
-pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed (make test installs it)")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed (make test installs it)"),
+    pytest.mark.slow,
+]
 
 SYSCALLS = "openat,fsync,fdatasync,pwrite64,pwritev,pwritev2,write,renameat,renameat2,?rename,unlinkat,?unlink"
 

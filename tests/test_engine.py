@@ -397,6 +397,7 @@ def test_engine_info_reports_choice(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
+@pytest.mark.slow
 def test_a_build_without_the_optional_libraries_says_what_it_lacks_and_runs(tmp_path):
     """Build fp_dcp._native._cio without liburing, ISA-L and libxxhash, as on a machine without their headers: the
     build ends by saying so, with each one's cost; engine_info lists them; the first engine of a process warns

@@ -19,6 +19,8 @@ import torch
 from fp_dcp.checkpoint import open_checkpoint
 from fp_dcp.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 WORLD = 2
 
 

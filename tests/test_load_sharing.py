@@ -18,6 +18,8 @@ from fp_dcp.load.catalog import FastPersistCatalog
 from fp_dcp.load.sharing import plan_exchange
 from fp_dcp.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 
 def replicated_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)

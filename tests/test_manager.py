@@ -162,6 +162,7 @@ def test_a_state_that_does_not_match_is_an_error_not_a_reason_to_go_back(tmp_pat
     assert "CorruptCheckpointError" not in repr(e.value)
 
 
+@pytest.mark.slow
 def test_two_ranks_save_prune_and_restore_in_fresh_processes(tmp_path):
     root = str(tmp_path / "run")
     run_ranks(2, _ranks_save, root)
@@ -170,6 +171,7 @@ def test_two_ranks_save_prune_and_restore_in_fresh_processes(tmp_path):
     assert run_ranks(2, _ranks_restore, root) == [(2, 2.0 + 2), (2, 2.0 + 3)]
 
 
+@pytest.mark.slow
 @needs_xxhash
 def test_kills_at_random_points_always_leave_a_restorable_complete_step(tmp_path):
     # benchmarks/manager_crash_trials.py is the harness (100 kills for the figures); a few here, both engines
@@ -336,6 +338,7 @@ def _ranks_restore_tuned(rank: int, world: int, root: str) -> tuple[int | None, 
     return step, torch.equal(state[f"own{rank}"], torch.full((20_000,), float(rank)))
 
 
+@pytest.mark.slow
 @needs_xxhash
 def test_two_ranks_reference_their_own_unchanged_items_and_restore_in_fresh_processes(tmp_path):
     root = str(tmp_path / "run")

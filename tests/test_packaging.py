@@ -16,6 +16,8 @@ import pytest
 import torch
 from wheel_check import can_hide, hiding_system_libraries
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted(p.name for p in (ROOT / "cuda").glob("*.cu"))
 AUDITWHEEL = str(Path(sys.executable).parent / "auditwheel")

@@ -67,6 +67,7 @@ def test_buffers_are_page_locked_once_and_unlocked_before_they_are_unmapped(cuda
     assert cuda_double.registered == {} and cuda_double.unmapped == []
 
 
+@pytest.mark.slow
 def test_buffers_waiting_page_locked_are_unlocked_at_interpreter_exit():
     """Before torch's exit handlers, and before module teardown unmaps them: no registration outlives its memory."""
     script = textwrap.dedent(

@@ -26,6 +26,8 @@ from fp_dcp.testing.ranks import rank_results, run_ranks, spawned_ranks
 from fp_dcp.testing.tiers import local_root, set_node
 from fp_dcp.tiers import PosixStore
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

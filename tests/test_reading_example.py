@@ -247,6 +247,7 @@ def shims(into: Path) -> list[str]:
     return [str(into)] if any(into.iterdir()) else []
 
 
+@pytest.mark.slow
 def test_it_runs_as_a_program(two_ranks, tmp_path):
     shutil.copytree(two_ranks, tmp_path / "ckpts")
     (tmp_path / "shims").mkdir()

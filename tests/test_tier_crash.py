@@ -5,7 +5,11 @@ The harness is fp_dcp.testing.tier_crash (benchmarks/tier_crash_trials.py runs i
 
 from __future__ import annotations
 
+import pytest
+
 from fp_dcp.testing import tier_crash as tier_crash_trials
+
+pytestmark = pytest.mark.slow  # its tests start processes
 
 
 def test_killing_a_rank_during_replication_or_the_drain_never_restores_a_wrong_or_older_step(tmp_path):

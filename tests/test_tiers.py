@@ -31,6 +31,8 @@ from fp_dcp.testing.ranks import run_ranks
 from fp_dcp.testing.tiers import local_root, same_state
 from fp_dcp.tiers import FsspecStore, PosixStore, Retry
 
+pytestmark = pytest.mark.slow  # its tests start processes
+
 WORLD = 4
 
 
