@@ -523,7 +523,9 @@ def test_huge_pages_reserved_are_given_back_also_on_interrupt(hugepage_knobs):
 
 
 HOLD_HUGE_PAGES = """
-import subprocess, sys
+import signal, subprocess, sys
+# Ctrl-C as in a terminal's foreground job, whatever this test inherited (a shell's background job ignores SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from fp_dcp.tools import fio
 if sys.argv[1] != "real":
     fio.NR_HUGEPAGES, fio.MEMINFO = sys.argv[1], sys.argv[2]
