@@ -75,7 +75,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors_peers import Targets, loaders
+from safetensors_peers import FpDcpLoad, Targets, loaders
 
 from fp_dcp import FastPersistReader
 from fp_dcp._native import _cio
@@ -163,17 +163,20 @@ def rate(load: Callable[[], None], size: int, device: str) -> tuple[float, float
 
 
 Results = dict[str, dict[str, list[tuple[float, float]]]]  # kind -> method -> (GB/s, CPU-s/GB) per round
+Staged = dict[str, list[float]]  # kind -> fp-dcp's bytes read through its staging buffers, a fraction, per round
 
 
 def run_one_rank(
     directory: str, shapes: dict, size: int, rounds: int, scratch: str, device: str, kinds: list[str]
-) -> tuple[Results, str, dict[str, int]]:
-    """The rounds; also fio's row name ("" without fio) and, per kind and loader, the loads that were not exact."""
+) -> tuple[Results, str, dict[str, int], Staged]:
+    """The rounds; also fio's row name ("" without fio), per kind and loader the loads that were not exact, and
+    per kind the share of fp-dcp's bytes that went through its staging buffers."""
     methods, missing = loaders(directory, shard_files(directory), device)
     for name, why in missing.items():
         print(f"{name}: {why}: left out")
     want = reference_digests(directory)
     results: Results = {kind: {name: [] for name in methods} for kind in kinds}
+    staged: Staged = {kind: [] for kind in kinds}
     wrong: dict[str, int] = {}
     fio_file = os.path.join(scratch, "fio-file")
     with reference() as fio:  # huge pages, where reserved, are given back when the rounds end
@@ -193,6 +196,8 @@ def run_one_rank(
                     target = make_targets(shapes, kind, device)
                     evict(directory)
                     results[kind][name].append(rate(functools.partial(load, target), size, device))
+                    if isinstance(load, FpDcpLoad) and load.last is not None:
+                        staged[kind].append(load.last.staged_bytes / load.last.bytes)
                     bad = sum(digest(target[n]) != want[n] for n in want)  # untimed
                     if bad:
                         wrong[f"{kind} {name}"] = wrong.get(f"{kind} {name}", 0) + 1
@@ -200,11 +205,11 @@ def run_one_rank(
                     gbps = results[kind][name][-1][0]
                     print(f"round {r + 1} {kind} targets, {name}: {gbps:.3f} GB/s", flush=True)
                     del target  # before the next targets: one set in memory at a time
-    return results, fio_name, wrong
+    return results, fio_name, wrong, staged
 
 
 def report_one_rank(
-    results: Results, fio_name: str, wrong: dict[str, int], rounds: int, device: str, h2d: float | None
+    results: Results, fio_name: str, wrong: dict[str, int], staged: Staged, rounds: int, device: str, h2d: float | None
 ) -> None:
     for kind, table in results.items():
         what = "torch.empty, never written before the load" if kind == "fresh" else "zeroed before the load"
@@ -217,6 +222,9 @@ def report_one_rank(
             exact = "-" if name == fio_name else "NO" if f"{kind} {name}" in wrong else "yes"
             cpu = statistics.median(c for _, c in v)
             print(f"  {name:<44} {med[name]:7.3f} {ratio} {cpu:9.2f}  {exact}")
+        if staged[kind]:
+            share = statistics.median(staged[kind])
+            print(f"  fp-dcp read {share:.1%} of its bytes into staging buffers (then copied), the rest in place")
         others = {n: g for n, g in med.items() if n not in ("fp-dcp", fio_name)}
         best = max(others, key=lambda n: others[n])
         fp = med["fp-dcp"]
@@ -321,11 +329,11 @@ def main() -> None:
         if os.geteuid() != 0:
             print("not root: the page cache is evicted with posix_fadvise only (no drop_caches)")
         h2d = copy_peaks(repeats=3)["h2d_gbps"] if args.device == "cuda" else None
-        one, fio_name, wrong = run_one_rank(model, shapes, size, args.rounds, work, args.device, kinds)
+        one, fio_name, wrong, staged = run_one_rank(model, shapes, size, args.rounds, work, args.device, kinds)
         four = None if args.no_ranks else run_four_ranks(model, shapes, size, args.rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report_one_rank(one, fio_name, wrong, args.rounds, args.device, h2d)
+    report_one_rank(one, fio_name, wrong, staged, args.rounds, args.device, h2d)
     if four is not None:
         print(f"\n4 ranks as 2 nodes, FSDP2, touched targets, median of {args.rounds}:")
         for reader, v in four.items():

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fp_dcp import FastPersistReader
+from fp_dcp import FastPersistReader, LoadSummary
 
 Targets = dict[str, torch.Tensor]
 Loader = Callable[[Targets], None]
@@ -39,13 +39,24 @@ FASTSAFETENSORS = "fastsafetensors (no GDS)"
 _MODULES = {RUNAI: "runai_model_streamer", FASTSAFETENSORS: "fastsafetensors"}
 
 
+class FpDcpLoad:
+    """fp-dcp's load, a reader made anew each time, as users make one; ``last``: that reader's ``LoadSummary``
+    (how many of its bytes went through the staging buffers)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.last: LoadSummary | None = None
+
+    def __call__(self, target: Targets) -> None:
+        reader = FastPersistReader(self.directory)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        self.last = reader.last_load
+
+
 def loaders(directory: str, files: list[str], device: str) -> tuple[dict[str, Loader], dict[str, str]]:
     """Every loader of the comparison by name, and those left out with the reason."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    def fp(target: Targets) -> None:
-        dcp.load(target, storage_reader=FastPersistReader(directory), no_dist=True)
 
     def hf(threads: int) -> Loader:
         def load(target: Targets) -> None:
@@ -59,7 +70,7 @@ def loaders(directory: str, files: list[str], device: str) -> tuple[dict[str, Lo
                 target[name].copy_(tensor)
 
     found: dict[str, Loader] = {
-        "fp-dcp": fp,
+        "fp-dcp": FpDcpLoad(directory),
         "HuggingFaceStorageReader t=1": hf(1),
         "HuggingFaceStorageReader t=4": hf(4),
         "safetensors load_file": whole_files,

@@ -156,11 +156,14 @@ def test_direct_reads_into_tensor_memory_or_staging_buffers(tmp_path, monkeypatc
     monkeypatch.setattr(buffers, "_huge_pages_enabled", lambda: huge)
     requests = record_writes(monkeypatch, "io_uring" if _cio.HAVE_IO_URING else "threads", writes=False)
     target = co_aligned_targets(tmp_path / "ck", torch.zeros)  # touched: no huge pages for them (see below)
-    load(target, tmp_path / "ck", config=IOConfig(direct_io=True, direct_reads=direct_reads))
+    summary = load(target, tmp_path / "ck", config=IOConfig(direct_io=True, direct_reads=direct_reads)).last_load
     assert all(torch.equal(target[k], v) for k, v in state.items())
     tensor_memory = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in target.values()]
     into_tensors = [r for r in requests if any(lo <= r.address < hi for lo, hi in tensor_memory)]
     assert requests and ((not into_tensors) if staged else into_tensors), (direct_reads, len(requests))
+    through_buffers = sum(r.length for r in requests if r not in into_tensors)
+    assert summary is not None and summary.staged_bytes == through_buffers > 0
+    assert (summary.staged_bytes == summary.bytes) if staged else (summary.staged_bytes < summary.bytes / 2)
     back = empty_like(state)
     load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -41,14 +41,21 @@ __all__ = ["ReadCounts", "read_items"]
 
 @dataclasses.dataclass(frozen=True)
 class ReadCounts:
-    """What one ``read_items`` call read: bytes from the files, the bytes needed, and requests issued."""
+    """What one ``read_items`` call read: bytes from the files, the bytes needed, requests issued, and the bytes
+    read into staging buffers and copied into place (the rest went straight into targets, or out of memory)."""
 
     read: int
     needed: int
     requests: int
+    staged: int = 0
 
     def __add__(self, other: ReadCounts) -> ReadCounts:
-        return ReadCounts(self.read + other.read, self.needed + other.needed, self.requests + other.requests)
+        return ReadCounts(
+            self.read + other.read,
+            self.needed + other.needed,
+            self.requests + other.requests,
+            self.staged + other.staged,
+        )
 
 
 def read_items(requests: list[ReadItem], planner: LoadPlanner, catalog: Catalog, ctx: ReadContext) -> ReadCounts:
@@ -86,7 +93,7 @@ def read_items(requests: list[ReadItem], planner: LoadPlanner, catalog: Catalog,
         raise
     finally:
         plan.close()
-    return ReadCounts(ring.read_bytes + memory.read_bytes, plan.needed, ring.issued + memory.issued)
+    return ReadCounts(ring.read_bytes + memory.read_bytes, plan.needed, ring.issued + memory.issued, ring.staged_bytes)
 
 
 class _RingReads:
@@ -98,11 +105,13 @@ class _RingReads:
         self.window = window
         self.ends = ends  # where each file may end (a safetensors file ends inside its last block)
         self.read_bytes = 0
+        self.staged_bytes = 0
         self.issued = 0
 
     def staged(self, f: DataFile, extent: Extent) -> None:
         buffer = self.window.stage(extent.length)
         self._push(f, extent, buffer, buffer)
+        self.staged_bytes += extent.length
 
     def in_place(self, f: DataFile, extent: Extent, run: Direct) -> None:
         self._push(f, extent, run.memory, None)

@@ -46,6 +46,7 @@ class LoadSummary:
     engine: str
     received_bytes: int = 0  # bytes of shared items received from the ranks that read them (``share``)
     requests: int = 0  # read requests issued to storage (0 for a stock checkpoint, read by torch)
+    staged_bytes: int = 0  # of ``bytes``, read into staging buffers and copied into place, not straight into targets
 
     @property
     def read_bytes(self) -> int:
@@ -259,7 +260,9 @@ class FastPersistReader(StorageReader):
                 raise
             engine = ctx.engine.describe()
         seconds = time.perf_counter() - start
-        self.last_load = LoadSummary(counts.read, counts.needed, seconds, engine, received, counts.requests)
+        self.last_load = LoadSummary(
+            counts.read, counts.needed, seconds, engine, received, counts.requests, counts.staged
+        )
         future: Future[None] = Future()
         future.set_result(None)
         return future

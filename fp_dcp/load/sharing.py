@@ -194,7 +194,7 @@ def read_shared(
                     errors.append(f"{e} (read by rank {exchange.readers[key]})")
     if errors:
         raise CorruptCheckpointError("; ".join(dict.fromkeys(errors)))
-    return ReadCounts(counts.read, needed, counts.requests), received
+    return dataclasses.replace(counts, needed=needed), received
 
 
 def _send_and_receive(
