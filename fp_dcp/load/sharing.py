@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -39,7 +40,7 @@ from ..errors import CorruptCheckpointError
 from ..format import ItemLocation, describe_item
 from ..io.host_threads import ONE_THREAD
 from ..net.transport import MemorySink, MemorySource, Transfer, Transport
-from ..units import MiB
+from ..units import PAGE, MiB
 from .catalog import Catalog
 from .context import ReadContext
 from .pipeline import ReadCounts, read_items
@@ -114,6 +115,9 @@ class _Capture(LoadPlanner):
 
     A tensor chunk is read straight into a tensor this planner allocates, so
     its bytes are sent from there without a copy; an object arrives as bytes.
+    Those tensors start where their item starts in its file, modulo a page, so
+    that the engine can read them in place, not through a staging buffer
+    (``_co_aligned``).
     """
 
     def __init__(self, catalog: Catalog) -> None:
@@ -123,7 +127,7 @@ class _Capture(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.storage_index
         sizes, dtype = self.catalog.chunks[(index.fqn, tuple(index.offset or ()))]
-        tensor = torch.empty(sizes, dtype=dtype)
+        tensor = _co_aligned(sizes, dtype, self.catalog.location(read_item).offset)
         self.got[index] = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
         return tensor
 
@@ -153,6 +157,18 @@ class _Capture(LoadPlanner):
         sizes, _ = self.catalog.chunks[(index.fqn, tuple(index.offset))]
         zeros = torch.Size([0] * len(sizes))
         return ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(sizes))
+
+
+def _co_aligned(sizes: torch.Size, dtype: torch.dtype, file_offset: int) -> torch.Tensor:
+    """An empty tensor whose memory agrees with ``file_offset`` modulo a page, where its element size allows:
+    torch's allocator aligns to 64 bytes, and a safetensors tensor starts wherever its file's header ends, so a
+    plain ``torch.empty`` never agrees with it and every byte would be staged, then copied."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    memory = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    shift = (file_offset - memory.data_ptr()) % PAGE
+    if shift % dtype.itemsize:
+        return torch.empty(sizes, dtype=dtype)
+    return memory[shift : shift + nbytes].view(dtype).view(sizes)
 
 
 def read_shared(
