@@ -1202,12 +1202,17 @@ def test_a_metadata_that_is_no_regular_file_is_no_checkpoint(kind, tmp_path, mon
         verify_checkpoint("c")
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo"])
-def test_a_data_file_that_is_no_regular_file_is_damage_and_not_waited_on(kind, templates, tmp_path):
+@pytest.mark.parametrize("kind", ["directory", "fifo", "socket"])
+def test_a_data_file_that_is_no_regular_file_is_damage_and_not_waited_on(kind, templates, tmp_path, monkeypatch):
     shutil.copytree(templates / "plain", tmp_path / "plain")
     name = data_file(tmp_path / "plain")
     name.unlink()
-    name.mkdir() if kind == "directory" else os.mkfifo(name)
+    if kind == "socket":  # opening one fails (ENXIO) rather than finding something else
+        monkeypatch.chdir(name.parent)  # a socket's path must be short
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(name.name)
+    else:
+        name.mkdir() if kind == "directory" else os.mkfifo(name)
     outcome: list[Any] = []
 
     def check() -> None:

@@ -70,12 +70,7 @@ def open_regular(path: str) -> BinaryIO:
     run or a model should be does not wait for a writer (and a device does
     not stream forever); blocking again once it is known to be a file.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno != errno_mod.ENXIO:  # ENXIO: a socket
-            raise
-        raise NotRegularFileError(errno_mod.ENXIO, "a socket", path) from None
+    fd = _open(path, os.O_RDONLY | os.O_CLOEXEC, blocking=False)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -174,14 +169,20 @@ def open_file(path: str, *, create: bool, direct: bool | None, reuse: bool = Fal
     return DataFile(path, _open(path, flags), False, 1)
 
 
-def _open(path: str, flags: int) -> int:
+def _open(path: str, flags: int, *, blocking: bool = True) -> int:
     """``os.open``; for reading without blocking, so that a FIFO where a file should be does not wait for a
-    writer (the reader's ``fstat`` then finds no regular file), and blocking again once open (io_uring may
-    fail reads of a file left non-blocking with EAGAIN)."""
+    writer (the reader's ``fstat`` then finds no regular file), and ``blocking`` again once open (io_uring may
+    fail reads of a file left non-blocking with EAGAIN). A socket cannot be opened: NotRegularFileError."""
     if flags & os.O_WRONLY:
         return os.open(path, flags, 0o644)
-    fd = os.open(path, flags | os.O_NONBLOCK)
-    os.set_blocking(fd, True)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno_mod.ENXIO:  # ENXIO: a socket
+            raise
+        raise NotRegularFileError(errno_mod.ENXIO, "a socket", path) from None
+    if blocking:
+        os.set_blocking(fd, True)
     return fd
 
 

@@ -25,7 +25,7 @@ from ..config import IOConfig
 from ..errors import CorruptCheckpointError
 from ..io.buffers import BufferPool
 from ..io.extents import Extent, Piece, interleave, plan_extents
-from ..io.files import DataFile, from_memory, in_place, open_file
+from ..io.files import DataFile, NotRegularFileError, from_memory, in_place, open_file
 from ..io.userfault import UserfaultFiller
 from .catalog import Catalog
 from .context import ReadContext
@@ -204,6 +204,10 @@ def _open_all(targets: list[Target], catalog: Catalog, direct: bool | None) -> d
                 f = open_file(path, create=False, direct=direct)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"data file {path} is missing; it holds {target.describe()}") from None
+            except NotRegularFileError as e:
+                raise CorruptCheckpointError(
+                    f"data file {path} is {e.strerror}, not a regular file; it holds {target.describe()}"
+                ) from None
             files[name] = f
             status = os.fstat(f.fd)
             if not stat.S_ISREG(status.st_mode):  # a directory where the rules find the file

@@ -51,7 +51,7 @@ from ..checkpoint import Checkpoint, is_safetensors_directory, node_of, open_che
 from ..errors import CorruptCheckpointError
 from ..format import describe_item
 from ..io.context import IOContext
-from ..io.files import open_file
+from ..io.files import NotRegularFileError, open_file
 from ..io.progress import Progress, ProgressCallback
 from ..names import METADATA_NAME
 from ..structure import nesting_fault
@@ -192,6 +192,9 @@ def _verify_file(
         f = open_file(path, create=False, direct=None)
     except FileNotFoundError:
         problems.append(f"data file {path} is missing; {_holds(items)}")
+        return 0, problems
+    except NotRegularFileError as e:
+        problems.append(f"data file {path} is {e.strerror}, not a regular file; {_holds(items)}")
         return 0, problems
     except OSError as e:
         problems.append(f"data file {path} cannot be opened ({e.strerror}); {_holds(items)}")
