@@ -100,6 +100,7 @@ def test_saves_into_tmpfs_are_written_by_the_threads_each_file_by_one(shm, write
     assert verify_checkpoint(shm / "ck").ok
     assert_loads(shm / "ck", state)
     assert writer.last_save.bytes >= large_bytes(state)
+    assert writer._resources.io.context().pool._views is None  # the small items staged in the threads' own memory
 
     writes.calls.clear()
     save(state, shm / "null", lanes_per_dir=4, config=IOConfig(host_threads=2, engine="null"))  # stores nothing

@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from ..units import PAGE
 
-__all__ = ["BufferPool", "SPARE_SECONDS", "release_spares"]
+__all__ = ["BufferPool", "ScratchBuffer", "SPARE_SECONDS", "release_spares"]
 
 SPARE_SECONDS = 30.0  # how long a closed pool's buffers wait for the next pool of their shape; 0: not at all
 
@@ -174,6 +174,23 @@ class BufferPool:
 
 
 Registrations = dict[str, tuple[object, Callable[[], None]]]
+
+
+class ScratchBuffer:
+    """Plain memory of one transfer's own for the staged extents (small items gathered) of files the kernel
+    copies anyway (tmpfs, the page cache), where the engine's alignment does not apply: grown to the largest
+    extent asked for, its pages faulted in as they are written. A pool's first use faults in all of its buffers,
+    which on a VM that hands freed memory back took longer than the whole of a load from tmpfs (docs/benchmarks.md,
+    "Hugging Face loads and the memory tier")."""
+
+    def __init__(self) -> None:
+        self._memory = memoryview(bytearray())
+
+    def take(self, nbytes: int) -> memoryview:
+        """``nbytes`` of it, what was there before left in place."""
+        if self._memory.nbytes < nbytes:
+            self._memory = memoryview(bytearray(nbytes))
+        return self._memory[:nbytes]
 
 
 class _Spare:

@@ -27,6 +27,7 @@ import dataclasses
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ..errors import CorruptCheckpointError
+from ..io.buffers import ScratchBuffer
 from ..io.extents import Direct, Extent, Part, Window
 from ..io.files import DataFile, ShortReadError
 from ..io.host_threads import BOUNCE
@@ -42,7 +43,8 @@ __all__ = ["ReadCounts", "read_items"]
 @dataclasses.dataclass(frozen=True)
 class ReadCounts:
     """What one ``read_items`` call read: bytes from the files, the bytes needed, requests issued, and the bytes
-    read into staging buffers and copied into place (the rest went straight into targets, or out of memory)."""
+    read into a buffer (the staging pool's, or from memory a scratch one) and copied into place (the rest went
+    straight into targets)."""
 
     read: int
     needed: int
@@ -69,15 +71,17 @@ def read_items(requests: list[ReadItem], planner: LoadPlanner, catalog: Catalog,
     """
     plan = ReadPlan(requests, catalog, ctx)
     progress = Progress("load", plan.total)
-    window = ctx.window(_Retire(ctx, plan, planner), progress)
+    retire = _Retire(ctx, plan, planner)
+    window = ctx.window(retire, progress)
     ring = _RingReads(ctx, window, plan.ends)
-    memory = _MemoryReads(ctx, window, planner)
+    memory = _MemoryReads(ctx, window, retire, planner)
     try:
         for f, extent, route in plan.extents(planner):
             if route is Route.STAGED:
                 ring.staged(f, extent)
+            elif extent.direct is None:
+                memory.staged(f, extent)
             else:
-                assert extent.direct is not None
                 target = extent.direct.owner
                 target.prepared.wait(extent.direct.owner_offset + extent.length)  # a read into it would fault
                 if route is Route.FROM_MEMORY:
@@ -93,7 +97,12 @@ def read_items(requests: list[ReadItem], planner: LoadPlanner, catalog: Catalog,
         raise
     finally:
         plan.close()
-    return ReadCounts(ring.read_bytes + memory.read_bytes, plan.needed, ring.issued + memory.issued, ring.staged_bytes)
+    return ReadCounts(
+        ring.read_bytes + memory.read_bytes,
+        plan.needed,
+        ring.issued + memory.issued,
+        ring.staged_bytes + memory.staged_bytes,
+    )
 
 
 class _RingReads:
@@ -124,14 +133,28 @@ class _RingReads:
 
 class _MemoryReads:
     """Runs of files in memory, where a read is a copy the CPU makes: the host threads copy them straight into
-    the target through a small buffer each, the CRC in the same pass."""
+    the target through a small buffer each, the CRC in the same pass; extents of small items through a
+    ``ScratchBuffer``, so that a load from memory never maps the staging pool."""
 
-    def __init__(self, ctx: ReadContext, window: Window, planner: LoadPlanner) -> None:
+    def __init__(self, ctx: ReadContext, window: Window, retire: _Retire, planner: LoadPlanner) -> None:
         self.host_threads = ctx.host_threads
         self.window = window
+        self.retire = retire
         self.planner = planner
+        self.scratch = ScratchBuffer()
         self.read_bytes = 0
+        self.staged_bytes = 0
         self.issued = 0
+
+    def staged(self, f: DataFile, extent: Extent) -> None:
+        self.window.settle()  # the earlier extents of its items first: their CRCs run in file order
+        buffer = self.scratch.take(extent.length)
+        self.host_threads.read_crc32c(f, extent.file_offset, buffer)
+        self.retire(extent, buffer)
+        self.window.count(extent)
+        self.read_bytes += extent.length
+        self.staged_bytes += extent.length
+        self.issued += -(-extent.length // BOUNCE)
 
     def read(self, f: DataFile, extent: Extent, run: Direct) -> None:
         target = run.owner

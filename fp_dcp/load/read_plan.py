@@ -64,7 +64,9 @@ class Route(enum.Enum):
 
     STAGED = "staged"  # the engine reads it into a staging buffer; its parts are copied out as it retires
     IN_PLACE = "in place"  # the engine reads it straight into a host target's memory
-    FROM_MEMORY = "from memory"  # a file in memory: the host threads copy it into the target, CRC in the same pass
+    # a file in memory: the host threads copy a run into its target, CRC in the same pass; an extent of small
+    # items (host targets only) into a buffer of the load's own, copied out as a staged one is, never the pool's
+    FROM_MEMORY = "from memory"
 
 
 class ReadPlan:
@@ -118,10 +120,12 @@ class ReadPlan:
             extents = plan_extents(pieces, align, self.ctx.pool.size, self.ctx.config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
-            if extent.direct is None:
-                yield f, extent, Route.STAGED
+            if f.path in self.in_memory and (
+                extent.direct is not None or all(p.owner.device is None for p in extent.parts)
+            ):
+                yield f, extent, Route.FROM_MEMORY
             else:
-                yield f, extent, Route.FROM_MEMORY if f.path in self.in_memory else Route.IN_PLACE
+                yield f, extent, Route.STAGED if extent.direct is None else Route.IN_PLACE
 
     def _ahead(self, targets: list[Target], planner: LoadPlanner, lookahead: int) -> Iterator[Target]:
         """The targets, each resolved ``lookahead`` bytes before it is yielded, its host memory handed to the

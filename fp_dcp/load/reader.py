@@ -46,7 +46,7 @@ class LoadSummary:
     engine: str
     received_bytes: int = 0  # bytes of shared items received from the ranks that read them (``share``)
     requests: int = 0  # read requests issued to storage (0 for a stock checkpoint, read by torch)
-    staged_bytes: int = 0  # of ``bytes``, read into staging buffers and copied into place, not straight into targets
+    staged_bytes: int = 0  # of ``bytes``, read into a buffer and copied into place, not straight into targets
 
     @property
     def read_bytes(self) -> int:

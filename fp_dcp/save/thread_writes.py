@@ -11,7 +11,8 @@ still, for much more CPU (docs/benchmarks.md, "Saves the kernel copies").
 Here each host thread takes its share of the files and writes their
 extents in order: runs of tensor memory with ``_cio.write_crc32c``, a step
 of 256 KiB at a time, checksummed while the step is still in the core's
-cache; staged extents through a pool buffer of its own. Each file's extents
+cache; staged extents through a ``ScratchBuffer`` of its own (the staging
+pool is never mapped for such a save). Each file's extents
 stay in one thread and in order, so every item's running CRC-32C (and XXH3
 in incremental saves) is what the ring's path computes.
 """
@@ -23,6 +24,7 @@ import threading
 from collections.abc import Sequence
 
 from .._native import _cio
+from ..io.buffers import ScratchBuffer
 from ..io.dealing import deal
 from ..io.extents import Direct, Extent
 from ..io.files import DataFile
@@ -63,8 +65,8 @@ def write_by_threads(
     way. On a failure or ``ctx.controls`` cancelling, every thread stops at
     its next extent and the first error is raised once all have ended.
     """
-    pool, controls, copier = ctx.pool, ctx.controls, ctx.copier
-    lanes = min(ctx.host_threads.count, len(files), pool.count)
+    controls, copier = ctx.controls, ctx.copier
+    lanes = min(ctx.host_threads.count, len(files))
     owners, _ = deal(
         [sum(e.length for e in file_extents) for file_extents in extents], [range(lanes)] * len(files), lanes
     )
@@ -74,8 +76,8 @@ def write_by_threads(
     failed = threading.Event()
     counted = threading.Lock()
 
-    def write_lane(indices: list[int], lane: int) -> None:
-        buffer: memoryview | None = None  # a pool buffer of its own, taken when the lane first stages
+    def write_lane(indices: list[int]) -> None:
+        scratch = ScratchBuffer()
         try:
             for index in indices:
                 f = files[index]
@@ -87,15 +89,15 @@ def write_by_threads(
                     if extent.direct is not None:
                         _write_run(f, extent.file_offset, extent.direct)
                     else:  # the lanes are the threads: a copy inside one is not split again
-                        buffer = pool.views[lane] if buffer is None else buffer
-                        write_all(f, fill(buffer[: extent.length], extent, copier, ONE_THREAD), extent.file_offset)
+                        buffer = scratch.take(extent.length)
+                        write_all(f, fill(buffer, extent, copier, ONE_THREAD), extent.file_offset)
                     with counted:
                         progress.advance(extent.payload)
         except BaseException:
             failed.set()
             raise
 
-    ctx.host_threads.run_all([functools.partial(write_lane, work[i], i) for i in range(lanes) if work[i]])
+    ctx.host_threads.run_all([functools.partial(write_lane, indices) for indices in work if indices])
 
 
 def _write_run(f: DataFile, offset: int, run: Direct) -> None:
