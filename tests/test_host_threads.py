@@ -115,9 +115,8 @@ def test_loads_from_tmpfs_read_through_the_threads_buffers_and_check_every_byte(
         target = empty_like(state)
         reader = load(target, Path(shm) / "ck", config=IOConfig(host_threads=2))
         assert all(torch.equal(target[k], v) for k, v in state.items())
-        assert sorted(read)[-2:] == sorted(large)  # the large items whole, wherever their memory
-        assert 0 < sum(read) - sum(large) < 4096  # the small one in an extent of its own
-        assert reader.last_load is not None and reader.last_load.staged_bytes == sum(read) - sum(large)
+        assert sorted(read) == sorted(large)  # the large items whole, wherever their memory
+        assert reader.last_load is not None and 0 < reader.last_load.staged_bytes < 4096  # the small one's extent
         assert reader._resources.io.context().pool._views is None
         read.clear()
         data = next(p for p in (Path(shm) / "ck").iterdir() if p.suffix == ".distcp" and p.stat().st_size > 1 << 20)
@@ -152,7 +151,7 @@ def test_loads_of_files_in_the_page_cache_read_them_there(disk_with_page_cache, 
     assert loaded() == []  # saved with O_DIRECT and evicted: from the disk
     for p in data:
         p.read_bytes()
-    assert 0 < sum(loaded(IOConfig(host_threads=2))) - large < 4096  # the small item's extent too
+    assert sum(loaded(IOConfig(host_threads=2))) == large
     assert loaded(IOConfig(direct_io=True)) == []
     with monkeypatch.context() as m:
         m.setattr(_cio, "cached_pages", lambda fd, offset, length: None)

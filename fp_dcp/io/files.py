@@ -29,6 +29,7 @@ __all__ = [
     "DataFile",
     "ShortReadError",
     "short_read",
+    "read_all",
     "NotRegularFileError",
     "open_regular",
     "open_file",
@@ -56,6 +57,17 @@ class ShortReadError(OSError):
 
 def short_read(path: str, nbytes: int, offset: int) -> ShortReadError:
     return ShortReadError(errno_mod.EIO, f"file ends before byte {offset + nbytes} (truncated?)", path)
+
+
+def read_all(f: DataFile, into: memoryview, offset: int) -> None:
+    """Fill ``into`` from ``f`` at ``offset`` with ``pread``, however many calls it takes (a buffered file, or
+    one in memory: no alignment applies); ShortReadError where the file ends first."""
+    done = 0
+    while done < into.nbytes:
+        got = os.preadv(f.fd, [into[done:]], offset + done)
+        if not got:
+            raise short_read(f.path, into.nbytes, offset)
+        done += got
 
 
 class NotRegularFileError(OSError):

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from ..errors import CorruptCheckpointError
 from ..io.buffers import ScratchBuffer
 from ..io.extents import Direct, Extent, Part, Window
-from ..io.files import DataFile, ShortReadError
+from ..io.files import DataFile, ShortReadError, read_all
 from ..io.host_threads import BOUNCE
 from ..io.progress import Progress
 from .catalog import Catalog
@@ -149,12 +149,12 @@ class _MemoryReads:
     def staged(self, f: DataFile, extent: Extent) -> None:
         self.window.settle()  # the earlier extents of its items first: their CRCs run in file order
         buffer = self.scratch.take(extent.length)
-        self.host_threads.read_crc32c(f, extent.file_offset, buffer)
+        read_all(f, buffer, extent.file_offset)
         self.retire(extent, buffer)
         self.window.count(extent)
         self.read_bytes += extent.length
         self.staged_bytes += extent.length
-        self.issued += -(-extent.length // BOUNCE)
+        self.issued += 1
 
     def read(self, f: DataFile, extent: Extent, run: Direct) -> None:
         target = run.owner

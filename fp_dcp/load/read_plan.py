@@ -65,7 +65,7 @@ class Route(enum.Enum):
     STAGED = "staged"  # the engine reads it into a staging buffer; its parts are copied out as it retires
     IN_PLACE = "in place"  # the engine reads it straight into a host target's memory
     # a file in memory: the host threads copy a run into its target, CRC in the same pass; an extent of small
-    # items (host targets only) into a buffer of the load's own, copied out as a staged one is, never the pool's
+    # items (host targets only) is read into scratch memory of the load's own and copied out as a staged one is
     FROM_MEMORY = "from memory"
 
 
@@ -110,6 +110,8 @@ class ReadPlan:
         """Every extent to read, the files' in turn, with its route; targets are resolved (through ``planner``)
         as their extents come near, and those with nothing to read are finished."""
         lookahead = _LOOKAHEAD // max(1, len(self.by_file))
+        # where the rest is read in place, the staged extents are small items only: from memory, read by the CPU too
+        in_place = {self.files[name].path for name, p in self.placements.items() if p is Placement.IN_PLACE}
         streams = []
         for name, targets in self.by_file.items():
             f = self.files[name]
@@ -120,9 +122,10 @@ class ReadPlan:
             extents = plan_extents(pieces, align, self.ctx.pool.size, self.ctx.config.direct_min, _MAX_WASTE)
             streams.append(zip(itertools.repeat(f), extents))
         for f, extent in interleave(streams):
-            if f.path in self.in_memory and (
-                extent.direct is not None or all(p.owner.device is None for p in extent.parts)
-            ):
+            on_host = extent.direct is not None or (
+                f.path in in_place and all(part.owner.device is None for part in extent.parts)
+            )
+            if f.path in self.in_memory and on_host:
                 yield f, extent, Route.FROM_MEMORY
             else:
                 yield f, extent, Route.STAGED if extent.direct is None else Route.IN_PLACE
