@@ -4,7 +4,8 @@
  * - crc32c.c: CRC-32C and the copies that checksum as they go (crc32c, copy_crc32c, read_crc32c, write_crc32c,
  *   crc32c_combine);
  * - hash.c: Hash128, a running XXH3-128 (libxxhash) that those checksums feed;
- * - system.c: small system helpers (dio_alignment, fallocate, cached_pages, address, populate, advise_huge);
+ * - system.c: small system helpers (dio_alignment, fallocate, start_writeback, cached_pages, address, populate,
+ *   advise_huge);
  * - userfault.c: untouched memory filled page by page (userfaultfd, register_untouched, fill_crc32c,
  *   serve_faults, unregister);
  * - ring.c: Ring, one liburing ring;

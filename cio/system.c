@@ -1,6 +1,6 @@
 /*
- * Small system helpers: dio_alignment (statx), fallocate, cached_pages (cachestat) and address; populate and
- * advise_huge prepare memory a load is about to fill.
+ * Small system helpers: dio_alignment (statx), fallocate, start_writeback (sync_file_range), cached_pages
+ * (cachestat) and address; populate and advise_huge prepare memory a load is about to fill.
  */
 #include "cio.h"
 
@@ -56,6 +56,27 @@ static PyObject *py_fallocate(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iLL:fallocate", &fd, &offset, &length))
         return NULL;
     Py_BEGIN_ALLOW_THREADS rc = fallocate(fd, 0, (off_t)offset, (off_t)length);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(start_writeback_doc,
+             "start_writeback(fd, offset, length, /) -> None\n\n"
+             "Start writing the dirty pages of a byte range to the disk without waiting for them "
+             "(sync_file_range, SYNC_FILE_RANGE_WRITE): what a later fsync then waits on is only "
+             "the rest. Durability is still the fsync's. Raises OSError.");
+
+static PyObject *py_start_writeback(PyObject *self, PyObject *args)
+{
+    int fd;
+    long long offset, length;
+    int rc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iLL:start_writeback", &fd, &offset, &length))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = sync_file_range(fd, (off_t)offset, (off_t)length, SYNC_FILE_RANGE_WRITE);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -264,6 +285,7 @@ done:
 static PyMethodDef system_methods[] = {
     {"dio_alignment", py_dio_alignment, METH_VARARGS, dio_alignment_doc},
     {"fallocate", py_fallocate, METH_VARARGS, fallocate_doc},
+    {"start_writeback", py_start_writeback, METH_VARARGS, start_writeback_doc},
     {"cached_pages", py_cached_pages, METH_VARARGS, cached_pages_doc},
     {"address", py_address, METH_O, address_doc},
     {"populate", py_populate, METH_O, populate_doc},

@@ -31,7 +31,7 @@ from typing import BinaryIO, Protocol
 import torch
 import torch.distributed as dist
 
-from ..io.files import fsync_directory, fsync_path
+from ..io.files import fsync_directory, fsync_path, start_writeback
 from ..units import MiB
 from .group import Group
 
@@ -154,11 +154,18 @@ class FileSink:
         self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}{self.PART}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._file: BinaryIO | None = open(self.tmp, "xb")
+        self._written = 0
 
     def write(self, data: memoryview) -> None:
+        """Check and write a chunk, and start its writeback: it goes to the disk while the next one crosses, not
+        all of the file at the fsync that publishes it (docs/benchmarks.md, "Hugging Face loads and the memory
+        tier")."""
         assert self._file is not None
         self.check.feed(data)
         self._file.write(data)
+        self._file.flush()
+        start_writeback(self._file.fileno(), self._written, len(data))
+        self._written += len(data)
 
     def abort(self) -> None:
         """Remove the temporary file: the copy will not be published."""
