@@ -41,25 +41,35 @@ static PyObject *py_dio_alignment(PyObject *self, PyObject *args)
 #endif
 }
 
+/* A call on a byte range of an open file, (fd, offset, length) from Python, without the GIL; OSError on failure. */
+typedef int (*range_call)(int fd, off_t offset, off_t length);
+
+static PyObject *on_range(PyObject *args, const char *format, range_call call)
+{
+    int fd;
+    long long offset, length;
+    int rc;
+    if (!PyArg_ParseTuple(args, format, &fd, &offset, &length))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = call(fd, (off_t)offset, (off_t)length);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(fallocate_doc,
              "fallocate(fd, offset, length, /) -> None\n\n"
              "Reserve blocks and extend the file (Linux fallocate, mode 0). Raises OSError, "
              "EOPNOTSUPP where the filesystem cannot; unlike posix_fallocate it never "
              "emulates by writing.");
 
+static int reserve(int fd, off_t offset, off_t length) { return fallocate(fd, 0, offset, length); }
+
 static PyObject *py_fallocate(PyObject *self, PyObject *args)
 {
-    int fd;
-    long long offset, length;
-    int rc;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iLL:fallocate", &fd, &offset, &length))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = fallocate(fd, 0, (off_t)offset, (off_t)length);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
+    return on_range(args, "iLL:fallocate", reserve);
 }
 
 PyDoc_STRVAR(start_writeback_doc,
@@ -68,19 +78,15 @@ PyDoc_STRVAR(start_writeback_doc,
              "(sync_file_range, SYNC_FILE_RANGE_WRITE): what a later fsync then waits on is only "
              "the rest. Durability is still the fsync's. Raises OSError.");
 
+static int write_back(int fd, off_t offset, off_t length)
+{
+    return sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE);
+}
+
 static PyObject *py_start_writeback(PyObject *self, PyObject *args)
 {
-    int fd;
-    long long offset, length;
-    int rc;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iLL:start_writeback", &fd, &offset, &length))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = sync_file_range(fd, (off_t)offset, (off_t)length, SYNC_FILE_RANGE_WRITE);
-    Py_END_ALLOW_THREADS
-    if (rc < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
+    return on_range(args, "iLL:start_writeback", write_back);
 }
 
 /* cachestat(2), Linux 6.5; syscall 451 on every architecture. Declared here since older kernel headers lack it. */
